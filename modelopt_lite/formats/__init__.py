@@ -1,0 +1,40 @@
+"""Floor 1: reference fake quantization per format (pure PyTorch, any device), the straight-through
+estimator, E2M1 packing, and Triton kernels used automatically on CUDA tensors."""
+
+from ._blocks import BlockLayout
+from .fp8 import fp8_fake_quant
+from .functional import fake_quant, fake_quant_reference, reduce_amax, reduce_axes
+from .integer import int_bounds, int_fake_quant
+from .mx import mx_fake_quant, mx_scale_exponent
+from .nvfp4 import (
+    nvfp4_block_scales,
+    nvfp4_fake_quant,
+    nvfp4_global_scale,
+    pack_e2m1,
+    unpack_e2m1,
+)
+from .rounding import E2M1_VALUES, e2m1_round, minifloat_round
+from .spec import FormatSpec, resolve_format
+
+__all__ = [
+    "E2M1_VALUES",
+    "BlockLayout",
+    "FormatSpec",
+    "e2m1_round",
+    "fake_quant",
+    "fake_quant_reference",
+    "fp8_fake_quant",
+    "int_bounds",
+    "int_fake_quant",
+    "minifloat_round",
+    "mx_fake_quant",
+    "mx_scale_exponent",
+    "nvfp4_block_scales",
+    "nvfp4_fake_quant",
+    "nvfp4_global_scale",
+    "pack_e2m1",
+    "reduce_amax",
+    "reduce_axes",
+    "resolve_format",
+    "unpack_e2m1",
+]

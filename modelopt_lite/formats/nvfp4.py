@@ -1,0 +1,90 @@
+"""NVFP4 fake quantization and packing, NUMERICS.md "NVFP4".
+
+E2M1 elements in blocks of 16 along the last axis, one FP8-E4M3 scale per block, one FP32 global scale.
+
+Degenerate scales (the rule we picked, used by the reference functions and the Triton kernel alike):
+a block scale that comes out zero becomes 1 and every block scale is clamped to ``[2**-9, 448]`` before the
+FP8 cast, exactly as NUMERICS.md states. A global amax at or below 2**-24 (an all-zero tensor, or a quantizer
+calibrated on zeros) gives an all-zero output instead of dividing by a zero global scale.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._blocks import BlockLayout
+from .rounding import E2M1_VALUES, TINY_AMAX, e2m1_index, e2m1_round, true_div
+
+__all__ = [
+    "NVFP4_BLOCK",
+    "nvfp4_block_scales",
+    "nvfp4_fake_quant",
+    "nvfp4_global_scale",
+    "pack_e2m1",
+    "unpack_e2m1",
+]
+
+NVFP4_BLOCK = 16
+_FP4_X_FP8 = 6.0 * 448.0  # 2688: the largest NVFP4 magnitude times the largest block scale
+_MIN_BLOCK_SCALE = 2.0**-9
+
+
+def nvfp4_global_scale(global_amax: torch.Tensor) -> torch.Tensor:
+    """``s2 = global_amax / (6 * 448)`` (``weight_scale_2`` / ``input_scale`` on export)."""
+    return true_div(global_amax.float(), _FP4_X_FP8)
+
+
+def nvfp4_block_scales(block_amax: torch.Tensor, s2: torch.Tensor) -> torch.Tensor:
+    """Per-block scale ``fp8(clamp(block_amax / (6 * s2), 2**-9, 448))`` as float32 (zero becomes 1)."""
+    s = block_amax / (s2 * 6.0)
+    s = torch.where(s == 0, torch.ones_like(s), s).clamp_(_MIN_BLOCK_SCALE, 448.0)
+    return s.to(torch.float8_e4m3fn).float()
+
+
+def nvfp4_fake_quant(
+    x: torch.Tensor, global_amax: torch.Tensor | None = None, block_size: int = NVFP4_BLOCK
+) -> torch.Tensor:
+    """NVFP4 fake quantization of ``x`` along its last axis.
+
+    ``global_amax`` is the calibrated per-tensor amax; ``None`` takes ``max|x|`` (dynamic).
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_sizes[-1]={block_size} must be a positive block length (NVFP4: 16)")
+    xf = x.float()
+    layout = BlockLayout.build(xf.shape, {-1: block_size})
+    blocks = layout.split(xf)
+    mag = blocks.abs()
+    block_amax = mag.amax(dim=-1, keepdim=True)
+    if global_amax is None:
+        global_amax = block_amax.max()
+    global_amax = global_amax.to(device=xf.device, dtype=torch.float32)
+    if bool((global_amax <= TINY_AMAX).all()):
+        return torch.zeros_like(x)
+    s2 = nvfp4_global_scale(global_amax)
+    s = nvfp4_block_scales(block_amax, s2)
+    q = e2m1_round(mag.div_(s * s2))
+    out = q.copysign_(blocks).mul_(s).mul_(s2)
+    return layout.merge(out).to(x.dtype)
+
+
+def pack_e2m1(x_scaled: torch.Tensor) -> torch.Tensor:
+    """Pack values already divided by their scale into 4-bit codes, two per byte (even element low).
+
+    Code = ``sign << 3 | index`` into ``(0, .5, 1, 1.5, 2, 3, 4, 6)``; output shape ``(..., cols / 2)``, uint8.
+    """
+    if x_scaled.shape[-1] % 2:
+        raise ValueError(f"E2M1 packing needs an even last dimension, got {tuple(x_scaled.shape)}")
+    xf = x_scaled.float()
+    code = e2m1_index(xf.abs()).to(torch.uint8)
+    code |= (torch.signbit(xf) & (code != 0)).to(torch.uint8) << 3
+    code = code.view(*code.shape[:-1], -1, 2)
+    return code[..., 0] | (code[..., 1] << 4)
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_e2m1`: float32 E2M1 values, last dimension doubled."""
+    low, high = packed & 0x0F, packed >> 4
+    codes = torch.stack((low, high), dim=-1).flatten(-2).long()
+    values = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
+    mag = values[codes & 0x7]
+    return torch.where(codes >= 8, -mag, mag)

@@ -1,0 +1,165 @@
+"""Calibrators: collect statistics of a quantizer's input and turn them into an amax.
+
+* :class:`MaxCalibrator` keeps the running max of ``|x|`` over the reduce axes of the quantizer's spec
+  (a scalar per tensor, ``keepdim`` per channel, one value per static block).
+* :class:`HistogramCalibrator` keeps a histogram of ``|x|`` (per tensor) and picks the amax at a
+  percentile of it, or the one minimising the expected fake-quantization MSE over the histogram.
+
+Non-finite input raises: a NaN or inf reaching calibration would otherwise become a NaN scale.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from ..formats import FormatSpec, fake_quant_reference, reduce_amax
+
+__all__ = ["Calibrator", "HistogramCalibrator", "MaxCalibrator", "make_calibrator"]
+
+
+def _check_finite(x: torch.Tensor, owner: str) -> None:
+    if not bool(torch.isfinite(x).all()):
+        n_bad = int((~torch.isfinite(x)).sum())
+        raise ValueError(
+            f"{owner}: {n_bad} NaN / inf value(s) reached calibration (input shape {tuple(x.shape)}); "
+            "fix the model's numerics or exclude this quantizer from calibration"
+        )
+
+
+class Calibrator:
+    """Base class: ``collect`` batches, then ``compute_amax``; ``reset`` to start over."""
+
+    def __init__(self, spec: FormatSpec, owner: str = "TensorQuantizer"):
+        self.spec = spec
+        self.owner = owner
+        self.num_batches = 0
+
+    def collect(self, x: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def compute_amax(self) -> torch.Tensor | None:
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        self.num_batches = 0
+
+
+class MaxCalibrator(Calibrator):
+    """Running max of ``|x|`` with the amax shape the spec stores."""
+
+    def __init__(self, spec: FormatSpec, owner: str = "TensorQuantizer"):
+        super().__init__(spec, owner)
+        self._amax: torch.Tensor | None = None
+
+    def collect(self, x: torch.Tensor) -> None:
+        x = x.detach()
+        amax = reduce_amax(x, self.spec)
+        _check_finite(amax, self.owner)
+        if self._amax is None:
+            self._amax = amax.clone()
+        elif self._amax.shape != amax.shape:
+            raise ValueError(
+                f"{self.owner}: amax shape changed between calibration batches "
+                f"({tuple(self._amax.shape)} -> {tuple(amax.shape)}); a {self.spec.granularity} "
+                "quantizer needs inputs of a consistent shape along its channel / block axes"
+            )
+        else:
+            torch.maximum(self._amax, amax, out=self._amax)
+        self.num_batches += 1
+
+    def compute_amax(self) -> torch.Tensor | None:
+        return None if self._amax is None else self._amax.clone()
+
+    def reset(self) -> None:
+        super().reset()
+        self._amax = None
+
+
+class HistogramCalibrator(Calibrator):
+    """Histogram of ``|x|`` (per-tensor INT / FP8 specs) with a percentile or MSE amax choice."""
+
+    def __init__(
+        self,
+        spec: FormatSpec,
+        owner: str = "TensorQuantizer",
+        method: Literal["percentile", "mse"] = "percentile",
+        percentile: float = 99.99,
+        num_bins: int = 2048,
+    ):
+        super().__init__(spec, owner)
+        if spec.kind not in ("int", "fp8") or spec.axis is not None or spec.block_axes:
+            raise ValueError(
+                f"{owner}: calibrator '{method}' supports per-tensor INT / FP8 quantizers only, "
+                f"not {spec.name} {spec.granularity}; use calibrator='max'"
+            )
+        if method not in ("percentile", "mse"):
+            raise ValueError(f"{owner}: calibration method {method!r} (allowed: 'percentile', 'mse')")
+        if not 0.0 < percentile <= 100.0:
+            raise ValueError(f"{owner}: percentile={percentile} must be in (0, 100]")
+        if num_bins < 16:
+            raise ValueError(f"{owner}: num_bins={num_bins} must be at least 16")
+        self.method = method
+        self.percentile = percentile
+        self.num_bins = num_bins
+        self._hist: torch.Tensor | None = None  # float64 counts over [0, _range]
+        self._range = 0.0
+
+    def collect(self, x: torch.Tensor) -> None:
+        mag = x.detach().abs().float().flatten()
+        _check_finite(mag, self.owner)
+        batch_max = float(mag.max()) if mag.numel() else 0.0
+        if self._hist is None:
+            self._range = batch_max if batch_max > 0 else 1.0
+            self._hist = torch.zeros(self.num_bins, dtype=torch.float64)
+        elif batch_max > self._range:
+            self._rebin(batch_max)
+        counts = torch.histc(mag.cpu(), bins=self.num_bins, min=0.0, max=self._range)
+        self._hist += counts.double()
+        self.num_batches += 1
+
+    def _rebin(self, new_range: float) -> None:
+        if self._hist is None:
+            return
+        # Move the old counts into the wider bins by their centres (a count never leaves the histogram).
+        width = self._range / self.num_bins
+        centres = (torch.arange(self.num_bins, dtype=torch.float64) + 0.5) * width
+        idx = (centres / new_range * self.num_bins).long().clamp_(max=self.num_bins - 1)
+        hist = torch.zeros(self.num_bins, dtype=torch.float64)
+        hist.index_add_(0, idx, self._hist)
+        self._hist, self._range = hist, new_range
+
+    def compute_amax(self) -> torch.Tensor | None:
+        if self._hist is None:
+            return None
+        edges = torch.linspace(0.0, self._range, self.num_bins + 1, dtype=torch.float64)
+        if self.method == "percentile":
+            cdf = torch.cumsum(self._hist, 0) / self._hist.sum()
+            idx = int(torch.searchsorted(cdf, torch.tensor(self.percentile / 100.0, dtype=cdf.dtype)))
+            return edges[min(idx + 1, self.num_bins)].float()
+        return self._mse_amax(edges)
+
+    def _mse_amax(self, edges: torch.Tensor) -> torch.Tensor:
+        centres = ((edges[:-1] + edges[1:]) / 2).float()
+        start = self.num_bins // 8
+        candidates = edges[start + 1 :: max(1, self.num_bins // 512)].float().reshape(-1, 1)
+        errors = []
+        for chunk in candidates.split(64):
+            q = fake_quant_reference(centres.expand(chunk.shape[0], -1), self.spec, chunk)
+            errors.append((((q - centres) ** 2).double() * self._hist).sum(dim=1))
+        best = int(torch.argmin(torch.cat(errors)))
+        return candidates[best, 0].clone()
+
+    def reset(self) -> None:
+        super().reset()
+        self._hist, self._range = None, 0.0
+
+
+def make_calibrator(name: str, spec: FormatSpec, owner: str, **options) -> Calibrator:
+    """``"max"``, ``"percentile"`` or ``"mse"``."""
+    if name == "max":
+        return MaxCalibrator(spec, owner)
+    if name in ("percentile", "mse"):
+        return HistogramCalibrator(spec, owner, method=name, **options)
+    raise ValueError(f"{owner}: calibrator={name!r} (allowed: 'max', 'percentile', 'mse')")

@@ -1,0 +1,250 @@
+"""``TensorQuantizer``: the module that fake-quantizes one tensor (a weight, an input, a KV projection).
+
+Attributes users set (directly, through :meth:`TensorQuantizer.configure` or through configs):
+``num_bits``, ``axis``, ``block_sizes``, ``unsigned``, ``narrow_range``, ``enable``, ``fake_quant``,
+``backward`` (``"pass_through"`` or ``"clipped"``), ``calibrator`` and ``pre_quant_scale``. Every change
+is validated at once; a bad value raises naming the attribute and the allowed values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from ..formats import FormatSpec, fake_quant, resolve_format
+from .calibrators import Calibrator, make_calibrator
+
+__all__ = ["QuantizerAttributes", "TensorQuantizer"]
+
+_BACKWARDS = ("pass_through", "clipped")
+_OPTIONAL_BUFFERS = ("_amax", "_pre_quant_scale")
+
+
+@dataclass(frozen=True)
+class QuantizerAttributes:
+    """The user-facing attributes of a :class:`TensorQuantizer` (immutable; replace to change)."""
+
+    num_bits: int | tuple[int, int] = 8
+    axis: int | tuple[int, ...] | None = None
+    block_sizes: dict[Any, Any] | None = None
+    unsigned: bool = False
+    narrow_range: bool = False
+    enable: bool = True
+    fake_quant: bool = True
+    backward: Literal["pass_through", "clipped"] = "pass_through"
+    calibrator: str = "max"
+    calibrator_options: dict[str, Any] = field(default_factory=dict)
+
+    def spec(self) -> FormatSpec:
+        return resolve_format(
+            self.num_bits, self.axis, self.block_sizes, self.unsigned, self.narrow_range
+        )
+
+
+class TensorQuantizer(nn.Module):
+    """Fake-quantize a tensor in one format; calibrate its amax; keep it in ``state_dict``."""
+
+    def __init__(self, name: str = "TensorQuantizer", **attributes: Any):
+        super().__init__()
+        self.name = name
+        self._attrs = QuantizerAttributes()
+        self._spec = self._attrs.spec()
+        self.register_buffer("_amax", None)
+        self.register_buffer("_pre_quant_scale", None)
+        self._quant_enabled = True
+        self._calib_enabled = False
+        self._calibrator: Calibrator = make_calibrator("max", self._spec, name)
+        pre_quant_scale = attributes.pop("pre_quant_scale", None)
+        self.configure(**attributes)
+        if pre_quant_scale is not None:
+            self.pre_quant_scale = pre_quant_scale
+
+    # ----------------------------------------------------------------------- attributes
+    def configure(self, **attributes: Any) -> TensorQuantizer:
+        """Validate and apply attributes (unknown names raise); returns ``self``."""
+        known = set(QuantizerAttributes.__dataclass_fields__)
+        unknown = sorted(set(attributes) - known - {"pre_quant_scale"})
+        if unknown:
+            raise ValueError(
+                f"{self.name}: unknown quantizer attribute(s) {unknown} (allowed: {sorted(known)})"
+            )
+        if "pre_quant_scale" in attributes:
+            self.pre_quant_scale = attributes.pop("pre_quant_scale")
+        new = replace(self._attrs, **attributes)
+        if new.backward not in _BACKWARDS:
+            raise ValueError(f"{self.name}: backward={new.backward!r} (allowed: {_BACKWARDS})")
+        for flag in ("unsigned", "narrow_range", "enable", "fake_quant"):
+            if not isinstance(getattr(new, flag), bool):
+                raise ValueError(f"{self.name}: {flag}={getattr(new, flag)!r} must be True or False")
+        try:
+            spec = new.spec()
+            calibrator = make_calibrator(new.calibrator, spec, self.name, **new.calibrator_options)
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"{self.name}: {err}") from None
+        if spec != self._spec:
+            self._amax = None  # an amax of another format / granularity means nothing here
+        self._attrs, self._spec, self._calibrator = new, spec, calibrator
+        return self
+
+    @property
+    def attributes(self) -> QuantizerAttributes:
+        return self._attrs
+
+    @property
+    def spec(self) -> FormatSpec:
+        return self._spec
+
+    def __getattr__(self, name: str) -> Any:
+        if name in QuantizerAttributes.__dataclass_fields__:
+            return getattr(self.__dict__["_attrs"], name)
+        return super().__getattr__(name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in QuantizerAttributes.__dataclass_fields__ and "_attrs" in self.__dict__:
+            self.configure(**{name: value})
+        else:
+            super().__setattr__(name, value)
+
+    def attribute_dict(self) -> dict[str, Any]:
+        return asdict(self._attrs)
+
+    # ----------------------------------------------------------------------- amax / scales
+    @property
+    def amax(self) -> torch.Tensor | None:
+        return self._amax
+
+    @amax.setter
+    def amax(self, value: torch.Tensor | float | None) -> None:
+        if value is None:
+            self._amax = None
+            return
+        value = torch.as_tensor(value, dtype=torch.float32).detach().clone()
+        if not bool(torch.isfinite(value).all()) or bool((value < 0).any()):
+            raise ValueError(f"{self.name}: amax must be finite and non-negative")
+        self._amax = value
+
+    @property
+    def pre_quant_scale(self) -> torch.Tensor | None:
+        return self._pre_quant_scale
+
+    @pre_quant_scale.setter
+    def pre_quant_scale(self, value: torch.Tensor | None) -> None:
+        if value is None:
+            self._pre_quant_scale = None
+            return
+        value = torch.as_tensor(value).detach().clone()
+        if not bool(torch.isfinite(value).all()):
+            raise ValueError(f"{self.name}: pre_quant_scale has NaN / inf values")
+        self._pre_quant_scale = value
+
+    def reset_amax(self) -> None:
+        self._amax = None
+        self._calibrator.reset()
+
+    # ----------------------------------------------------------------------- modes
+    def enable(self) -> None:
+        self.configure(enable=True)
+
+    def disable(self) -> None:
+        self.configure(enable=False)
+
+    @property
+    def is_enabled(self) -> bool:
+        return self._attrs.enable
+
+    def enable_quant(self) -> None:
+        self._quant_enabled = True
+
+    def disable_quant(self) -> None:
+        self._quant_enabled = False
+
+    def enable_calib(self) -> None:
+        self._calib_enabled = True
+
+    def disable_calib(self) -> None:
+        self._calib_enabled = False
+
+    @property
+    def calibrator(self) -> Calibrator:
+        return self._calibrator
+
+    def load_calib_amax(self) -> None:
+        """Move the calibrator's result into the ``amax`` buffer (no-op for formats without amax)."""
+        if not self._spec.needs_amax:
+            return
+        amax = self._calibrator.compute_amax()
+        if amax is None:
+            raise RuntimeError(
+                f"{self.name}: no data reached this quantizer during calibration; "
+                "run a forward pass over calibration data or disable the quantizer"
+            )
+        self._amax = amax.float()
+
+    # ----------------------------------------------------------------------- forward
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self._attrs.enable:
+            return x
+        if self._pre_quant_scale is not None:
+            x = x * self._pre_quant_scale.to(x.dtype)
+        if self._calib_enabled:
+            if self._spec.kind == "int" and self._attrs.unsigned and bool((x < 0).any()):
+                raise ValueError(f"{self.name}: unsigned=True quantizer received negative input")
+            if self._spec.needs_amax:
+                self._calibrator.collect(x)
+        if not self._quant_enabled:
+            return x
+        if not self._attrs.fake_quant:
+            raise NotImplementedError(
+                f"{self.name}: fake_quant=False (real quantized compute) is not supported in forward; "
+                "real quantized tensors are produced by export"
+            )
+        if self._spec.needs_amax and self._amax is None:
+            raise RuntimeError(
+                f"{self.name}: {self._spec.name} {self._spec.granularity} has no amax; calibrate it "
+                "first (enable_calib, forward over data, load_calib_amax) or set .amax"
+            )
+        try:
+            return fake_quant(
+                x, self._spec, self._amax, clip_gradient=self._attrs.backward == "clipped"
+            )
+        except ValueError as err:
+            raise ValueError(f"{self.name}: {err}") from None
+
+    # ----------------------------------------------------------------------- state_dict
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # type: ignore[override]
+        # ``amax`` / ``pre_quant_scale`` exist only once set; create them from the checkpoint.
+        for buf in _OPTIONAL_BUFFERS:
+            key = prefix + buf
+            if key in state_dict:
+                ref = getattr(self, buf)
+                device = ref.device if ref is not None else state_dict[key].device
+                setattr(self, buf, state_dict[key].detach().clone().to(device))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    # ----------------------------------------------------------------------- repr
+    def extra_repr(self) -> str:
+        if not self._attrs.enable:
+            return "disabled"
+        parts = [f"{self._spec.name} {self._spec.granularity}"]
+        if self._amax is not None:
+            a = self._amax
+            if a.numel() == 1:
+                parts.append(f"amax={a.item():.4g}")
+            else:
+                parts.append(f"amax=[{a.min().item():.4g}, {a.max().item():.4g}] {tuple(a.shape)}")
+        elif self._spec.needs_amax:
+            parts.append("amax=None")
+        elif self._spec.kind != "mx":
+            parts.append("amax=dynamic")
+        if self._pre_quant_scale is not None:
+            parts.append(f"pre_quant_scale{tuple(self._pre_quant_scale.shape)}")
+        if not self._quant_enabled:
+            parts.append("quant=off")
+        if self._calib_enabled:
+            parts.append("calib=on")
+        if self._attrs.backward == "clipped":
+            parts.append("backward=clipped")
+        return " ".join(parts)

@@ -43,9 +43,7 @@ def _configure_root() -> logging.Logger:
     root = logging.getLogger(_ROOT_NAME)
     if not getattr(root, "_modelopt_lite_configured", False):
         handler = logging.StreamHandler()
-        handler.setFormatter(
-            logging.Formatter("%(rank_prefix)s%(levelname)s %(name)s: %(message)s")
-        )
+        handler.setFormatter(logging.Formatter("%(rank_prefix)s%(levelname)s %(name)s: %(message)s"))
         handler.addFilter(_RankFilter())
         root.addHandler(handler)
         level = os.environ.get("MODELOPT_LITE_LOG_LEVEL", "INFO").upper()

@@ -23,9 +23,7 @@ def fp8_spec(num_bits: tuple[int, int]) -> tuple[MinifloatSpec, torch.dtype]:
         ) from None
 
 
-def fp8_fake_quant(
-    x: torch.Tensor, amax: torch.Tensor, num_bits: tuple[int, int] = (4, 3)
-) -> torch.Tensor:
+def fp8_fake_quant(x: torch.Tensor, amax: torch.Tensor, num_bits: tuple[int, int] = (4, 3)) -> torch.Tensor:
     """Scale ``x`` so that ``amax`` maps to the FP8 maximum, round to FP8 and scale back.
 
     ``scale = fp8_max / amax`` is computed as ``reciprocal(amax) * fp8_max`` (the reference behaviour), the

@@ -58,9 +58,7 @@ def _elementwise(spec: FormatSpec) -> Callable[[torch.Tensor, torch.Tensor], tor
     return lambda v, a: fp8_fake_quant(v, a, spec.num_bits)
 
 
-def fake_quant_reference(
-    x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None = None
-) -> torch.Tensor:
+def fake_quant_reference(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None = None) -> torch.Tensor:
     """The pure-PyTorch reference (any device, no autograd handling)."""
     if spec.kind == "nvfp4":
         return nvfp4_fake_quant(x, amax, spec.block_axes[0][1])
@@ -95,6 +93,18 @@ def _dispatch(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None) -> t
     return fake_quant_reference(x, spec, amax)
 
 
+def _clip_amax(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None):
+    """The calibrated amax broadcast against ``x`` for clipped backward; ``None`` when nothing clips."""
+    if amax is None or spec.kind == "mx" or (spec.dynamic and spec.kind != "nvfp4"):
+        return None
+    amax = amax.detach()
+    if spec.block_axes and spec.kind != "nvfp4":
+        layout = BlockLayout.build(x.shape, spec.block_sizes)
+        per_block = amax.reshape(-1, 1).expand(layout.num_blocks(), layout.block_numel)
+        return layout.merge(per_block.contiguous())
+    return amax
+
+
 class _FakeQuantSTE(torch.autograd.Function):
     """Fake quantization forward; straight-through backward (identity, or zero where |x| > amax)."""
 
@@ -122,15 +132,10 @@ def fake_quant(
 ) -> torch.Tensor:
     """Fake-quantize ``x`` (same dtype and shape out) with a straight-through-estimator backward.
 
-    ``clip_gradient=True`` zeroes the gradient where ``|x| > amax``; it needs an amax that broadcasts
-    against ``x`` (per tensor or per channel), since a dynamic amax never clips.
+    ``clip_gradient=True`` zeroes the gradient where ``|x| > amax`` (the calibrated amax: per tensor, per
+    channel, per static block, or NVFP4's global amax); a dynamic amax never clips.
     """
-    clip_amax = None
-    if clip_gradient and x.requires_grad:
-        if amax is None or spec.block_axes:
-            clip_amax = None  # dynamic / per-block scales cover the whole block: nothing is clipped
-        else:
-            clip_amax = amax.detach()
+    clip_amax = _clip_amax(x, spec, amax) if clip_gradient and x.requires_grad else None
     if not torch.is_grad_enabled() or not x.requires_grad:
         return _dispatch(x, spec, amax)
     return _FakeQuantSTE.apply(x, spec, amax, clip_amax)

@@ -3,7 +3,8 @@
 Blocks of 32 along the last axis share a power-of-two scale stored as E8M0. The scale exponent is
 ``floor(log2(block_amax)) - emax_elem`` clamped to the E8M0 range [-127, 127]; elements are ``x / 2**exp``
 rounded to nearest (ties to even) in the element format and saturated at its largest value. MXINT8 elements
-are 8-bit two's complement with an implicit scale of 2**-6 (range [-2, 127/64]).
+are 8-bit integers with an implicit scale of 2**-6, clamped symmetrically to [-127/64, 127/64] (the
+OCP encoding allows -2; like the OCP reference emulation we keep the grid symmetric, so q(-x) = -q(x)).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def mx_fake_quant(x: torch.Tensor, num_bits: object, block_size: int = MX_BLOCK)
     v = blocks / scale  # exact: a power-of-two scale
     if spec is None:
         step = 2.0**-_MXINT8_FRAC_BITS
-        q = v.div_(step).round_().clamp_(-128, 127).mul_(step)
+        q = v.div_(step).round_().clamp_(-127, 127).mul_(step)
     else:
         q = minifloat_round(v.abs(), spec).copysign_(v)
     return layout.merge(q.mul_(scale)).to(x.dtype)

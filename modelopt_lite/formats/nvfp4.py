@@ -1,6 +1,9 @@
 """NVFP4 fake quantization and packing, NUMERICS.md "NVFP4".
 
 E2M1 elements in blocks of 16 along the last axis, one FP8-E4M3 scale per block, one FP32 global scale.
+The dequantized block scale ``S = fp8(s) * s2`` is formed once per block; elements are ``e2m1(|x| / S) * S``
+(NUMERICS.md's ``q * s * s2`` with the two scales multiplied first, as the reference library and the
+deployment kernels do).
 
 Degenerate scales (the rule we picked, used by the reference functions and the Triton kernel alike):
 a block scale that comes out zero becomes 1 and every block scale is clamped to ``[2**-9, 448]`` before the
@@ -62,15 +65,16 @@ def nvfp4_fake_quant(
         return torch.zeros_like(x)
     s2 = nvfp4_global_scale(global_amax)
     s = nvfp4_block_scales(block_amax, s2)
-    q = e2m1_round(mag.div_(s * s2))
-    out = q.copysign_(blocks).mul_(s).mul_(s2)
+    step = s * s2  # the dequantized block scale
+    q = e2m1_round(mag.div_(step))
+    out = q.copysign_(blocks).mul_(step)
     return layout.merge(out).to(x.dtype)
 
 
 def pack_e2m1(x_scaled: torch.Tensor) -> torch.Tensor:
     """Pack values already divided by their scale into 4-bit codes, two per byte (even element low).
 
-    Code = ``sign << 3 | index`` into ``(0, .5, 1, 1.5, 2, 3, 4, 6)``; output shape ``(..., cols / 2)``, uint8.
+    Code = ``sign << 3 | index`` into ``(0, .5, 1, 1.5, 2, 3, 4, 6)``; output ``(..., cols / 2)`` uint8.
     """
     if x_scaled.shape[-1] % 2:
         raise ValueError(f"E2M1 packing needs an even last dimension, got {tuple(x_scaled.shape)}")

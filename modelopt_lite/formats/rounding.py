@@ -65,8 +65,9 @@ def minifloat_round(a: torch.Tensor, spec: MinifloatSpec) -> torch.Tensor:
 
 
 #: E2M1 magnitudes and the decision boundaries between neighbours (NUMERICS.md). A value equal to a
-#: boundary goes to the neighbour with the even mantissa: 0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2,
-#: 3.5 -> 4, 5 -> 4. ``bucketize(right=False)`` sends a value equal to a boundary to the lower bucket, so the
+#: boundary goes to the neighbour with the even mantissa:
+#: 0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4.
+#: ``bucketize(right=False)`` sends a value equal to a boundary to the lower bucket, so the
 #: boundaries whose tie goes up are moved one ulp down.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _TIE_UP = {0.75, 1.75, 3.5}

@@ -194,6 +194,4 @@ def resolve_format(
 
 def _reject_int_flags(unsigned: bool, narrow_range: bool, bits: Any) -> None:
     if unsigned or narrow_range:
-        raise ValueError(
-            f"unsigned / narrow_range apply to integer formats only, not num_bits={bits!r}"
-        )
+        raise ValueError(f"unsigned / narrow_range apply to integer formats only, not num_bits={bits!r}")

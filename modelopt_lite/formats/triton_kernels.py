@@ -125,9 +125,10 @@ if AVAILABLE:
         s = tl.where(s == 0.0, 1.0, s)
         s = tl.minimum(tl.maximum(s, 0.001953125), 448.0)
         s = _round_minifloat(s, -6, 3, 448.0)[:, None]
-        q = _e2m1_round(tl.math.div_rn(mag, s * s2))
+        step = s * s2
+        q = _e2m1_round(tl.math.div_rn(mag, step))
         q = tl.where(x < 0, -q, q)
-        out = (q * s) * s2
+        out = q * step
         out = tl.where(gamax <= _TINY, 0.0, out)
         tl.store(out_ptr + offs, out, mask=mask)
 
@@ -183,9 +184,7 @@ def nvfp4_rows(x: torch.Tensor, global_amax: torch.Tensor, block_size: int = 16)
     return out.to(x.dtype)
 
 
-def try_fake_quant(
-    x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None
-) -> torch.Tensor | None:
+def try_fake_quant(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None) -> torch.Tensor | None:
     """Run a kernel when one covers this spec and layout; ``None`` otherwise."""
     if not AVAILABLE or not x.is_contiguous() or x.numel() == 0 or x.ndim < 1:
         return None

@@ -39,9 +39,7 @@ class QuantizerAttributes:
     calibrator_options: dict[str, Any] = field(default_factory=dict)
 
     def spec(self) -> FormatSpec:
-        return resolve_format(
-            self.num_bits, self.axis, self.block_sizes, self.unsigned, self.narrow_range
-        )
+        return resolve_format(self.num_bits, self.axis, self.block_sizes, self.unsigned, self.narrow_range)
 
 
 class TensorQuantizer(nn.Module):
@@ -183,6 +181,15 @@ class TensorQuantizer(nn.Module):
             )
         self._amax = amax.float()
 
+    def calibrate(self, x: torch.Tensor) -> TensorQuantizer:
+        """Set ``amax`` from ``x`` alone (e.g. a weight): reset, collect ``x``, load the result."""
+        self._calibrator.reset()
+        if self._spec.needs_amax:
+            x = x if self._pre_quant_scale is None else x * self._pre_quant_scale.to(x.dtype)
+            self._calibrator.collect(x)
+            self.load_calib_amax()
+        return self
+
     # ----------------------------------------------------------------------- forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self._attrs.enable:
@@ -207,9 +214,7 @@ class TensorQuantizer(nn.Module):
                 "first (enable_calib, forward over data, load_calib_amax) or set .amax"
             )
         try:
-            return fake_quant(
-                x, self._spec, self._amax, clip_gradient=self._attrs.backward == "clipped"
-            )
+            return fake_quant(x, self._spec, self._amax, clip_gradient=self._attrs.backward == "clipped")
         except ValueError as err:
             raise ValueError(f"{self.name}: {err}") from None
 

@@ -111,7 +111,7 @@ def nvfp4_expect(x, global_amax=None):
         s = round_to_table(np.array([s]), *E4M3)[0]
         denom = F32(s * s2)
         q = signed_round((np.abs(b[r]) / denom).astype(F32) * np.sign(b[r]), E2M1)
-        out[r] = ((q * s).astype(F32) * s2).astype(F32)
+        out[r] = (q * denom).astype(F32)
     return unblock(out, x.shape, padded)
 
 
@@ -126,7 +126,7 @@ def mx_expect(x, num_bits, block=32):
         scale = 2.0**e
         v = b[r].astype(np.float64) / scale
         if num_bits == 8:
-            q = np.clip(np.rint(v * 64), -128, 127) / 64
+            q = np.clip(np.rint(v * 64), -127, 127) / 64
         else:
             q = signed_round(v.astype(F32), TABLES[num_bits]).astype(np.float64)
         out[r] = (q * scale).astype(F32)

@@ -181,4 +181,13 @@ def test_mx_scale_is_ocp_exponent():
     x[0, 0] = 6.0  # floor(log2 6) = 2; MXFP4 emax 2 -> exponent 0, values on the plain E2M1 grid
     x[0, 1] = 2.6
     out = mx_fake_quant(x, (2, 1))
-    assert out[0, 0] == 6.0 and out[0, 1] == 3.0
+    assert out[0, 0] == 6.0
+    assert out[0, 1] == 3.0
+
+
+def test_mxint8_grid_is_symmetric():
+    x = torch.zeros(1, 32)
+    x[0, 0], x[0, 1] = 1.0, -1.999  # scale 2**0; -1.999 * 64 rounds to -128, clamped to -127
+    out = mx_fake_quant(x, 8)
+    assert out[0, 1] == -127 / 64
+    assert torch.equal(mx_fake_quant(-x, 8), -out)

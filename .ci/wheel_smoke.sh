@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Installed-wheel smoke test: build the wheel, install it with only the core dependencies into a clean
+# virtualenv, and use it from outside the checkout.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+work=$(mktemp -d)
+python -m pip wheel -q --no-deps . -w "$work/dist"
+python3 -m venv "$work/venv"
+"$work/venv/bin/pip" install -q torch==2.13.0
+"$work/venv/bin/pip" install -q "$work"/dist/modelopt_lite-*.whl
+cd "$work"
+"$work/venv/bin/python" - <<'PY'
+import torch
+import modelopt_lite
+from modelopt_lite.nn import TensorQuantizer
+
+assert modelopt_lite.__file__.startswith("/tmp") or "site-packages" in modelopt_lite.__file__
+q = TensorQuantizer("w", num_bits=(2, 1), block_sizes={-1: 16, "type": "dynamic", "scale_bits": (4, 3)})
+w = torch.randn(32, 64)
+out = q.calibrate(w)(w)
+assert out.shape == w.shape and not torch.equal(out, w)
+print(f"wheel smoke test: modelopt_lite {modelopt_lite.__version__} from {modelopt_lite.__file__}: ok")
+PY
+rm -rf "$work"

@@ -8,13 +8,12 @@ bit.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from ._blocks import BlockLayout
-from .fp8 import fp8_fake_quant
-from .integer import int_fake_quant
+from ._chunks import map_rows
+from .fp8 import fp8_apply, fp8_scales, fp8_spec
+from .integer import check_unsigned, int_apply, int_bounds, int_scale_keep
 from .mx import mx_fake_quant
 from .nvfp4 import nvfp4_fake_quant
 from .spec import FormatSpec
@@ -52,10 +51,35 @@ def reduce_amax(x: torch.Tensor, spec: FormatSpec) -> torch.Tensor:
     return mag.amax(dim=axes, keepdim=True)
 
 
-def _elementwise(spec: FormatSpec) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def _prepared(spec: FormatSpec, amax: torch.Tensor, device: torch.device):
+    """``(fn, params)``: the INT / FP8 formula of ``spec`` with its scales computed once from ``amax``."""
     if spec.kind == "int":
-        return lambda v, a: int_fake_quant(v, a, spec.num_bits, spec.unsigned, spec.narrow_range)
-    return lambda v, a: fp8_fake_quant(v, a, spec.num_bits)
+        bounds = int_bounds(spec.num_bits, spec.unsigned, spec.narrow_range)
+        scale, keep = int_scale_keep(amax, bounds[1], device)
+        return (lambda v, o, s, k: int_apply(v, s, k, bounds, o)), (scale, keep)
+    fp8, _ = fp8_spec(spec.num_bits)
+    return (lambda v, o, s, r: fp8_apply(v, s, r, fp8, o)), fp8_scales(amax, fp8, device)
+
+
+def _dynamic(spec: FormatSpec):
+    """Row function for dynamic blocks: each block's amax is taken from the slice being quantized."""
+
+    def fn(v: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        apply, params = _prepared(spec, v.abs().amax(dim=-1, keepdim=True), v.device)
+        return apply(v, o, *params)
+
+    return fn
+
+
+def _rows(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A (rows, cols) view of ``x`` with one amax per row (or one in all), when the layout allows it."""
+    if not x.is_contiguous():
+        return None
+    if amax.numel() == 1:
+        return x.reshape(-1, 1), amax.reshape(())
+    if spec.axis in (0, -x.ndim) and amax.numel() == x.shape[0]:
+        return x.reshape(x.shape[0], -1), amax.reshape(-1, 1)
+    return None
 
 
 def fake_quant_reference(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None = None) -> torch.Tensor:
@@ -64,23 +88,30 @@ def fake_quant_reference(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor |
         return nvfp4_fake_quant(x, amax, spec.block_axes[0][1])
     if spec.kind == "mx":
         return mx_fake_quant(x, spec.num_bits, spec.block_axes[0][1])
-    fn = _elementwise(spec)
+    if spec.kind == "int":
+        check_unsigned(x, spec.unsigned)
     if not spec.block_axes:
         if amax is None:
             raise ValueError(f"{spec.name} {spec.granularity} needs a calibrated amax")
-        return fn(x, amax)
+        rows = _rows(x, spec, amax)
+        if rows is None:  # any other broadcastable amax: one pass over the whole tensor
+            apply, params = _prepared(spec, amax, x.device)
+            return apply(x, None, *params).to(x.dtype)
+        apply, params = _prepared(spec, rows[1], x.device)
+        return map_rows(apply, rows[0], *params).view(x.shape).to(x.dtype)
     layout = BlockLayout.build(x.shape, spec.block_sizes)
     blocks = layout.split(x)
     if spec.dynamic:
-        amax = blocks.detach().abs().amax(dim=-1, keepdim=True)
-    elif amax is None:
+        return layout.merge(map_rows(_dynamic(spec), blocks)).to(x.dtype)
+    if amax is None:
         raise ValueError(f"{spec.name} {spec.granularity} needs a calibrated amax per block")
-    elif amax.numel() != blocks.shape[0]:
+    if amax.numel() != blocks.shape[0]:
         raise ValueError(
             f"amax has {amax.numel()} values but the input splits into {blocks.shape[0]} blocks "
             f"({spec.granularity}, input shape {tuple(x.shape)})"
         )
-    return layout.merge(fn(blocks, amax.reshape(-1, 1)))
+    apply, params = _prepared(spec, amax.reshape(-1, 1), x.device)
+    return layout.merge(map_rows(apply, blocks, *params)).to(x.dtype)
 
 
 def _dispatch(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None) -> torch.Tensor:

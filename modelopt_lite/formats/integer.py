@@ -6,7 +6,14 @@ import torch
 
 from .rounding import TINY_AMAX
 
-__all__ = ["int_bounds", "int_fake_quant", "validate_int_bits"]
+__all__ = [
+    "check_unsigned",
+    "int_apply",
+    "int_bounds",
+    "int_fake_quant",
+    "int_scale_keep",
+    "validate_int_bits",
+]
 
 
 def validate_int_bits(num_bits: object) -> int:
@@ -24,6 +31,32 @@ def int_bounds(num_bits: int, unsigned: bool = False, narrow_range: bool = False
     return (-max_bound if narrow_range else -max_bound - 1), max_bound
 
 
+def int_scale_keep(
+    amax: torch.Tensor, max_bound: int, device: torch.device | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(scale, keep)`` for :func:`int_apply`: ``scale = max_bound / amax`` as a true division, and a
+    0 / 1 mask of the amax values above 2**-24 (``None`` when all are)."""
+    amax = amax.to(device=device, dtype=torch.float32)
+    tiny = amax <= TINY_AMAX
+    keep = None
+    if bool(tiny.any()):
+        keep = (~tiny).float()
+        amax = amax.masked_fill(tiny, 1.0)
+    return torch.full((), float(max_bound), device=amax.device) / amax, keep
+
+
+def int_apply(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    keep: torch.Tensor | None,
+    bounds: tuple[int, int],
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``clamp(round_half_even(x * scale), *bounds) / scale`` in float32 (into ``out`` when given)."""
+    res = torch.mul(x.float(), scale, out=out).round_().clamp_(*bounds).div_(scale)
+    return res if keep is None else res.mul_(keep)
+
+
 def int_fake_quant(
     x: torch.Tensor,
     amax: torch.Tensor,
@@ -37,19 +70,14 @@ def int_fake_quant(
     value per block row for block-wise). ``scale = max_bound / amax`` is a true division; an amax at or
     below 2**-24 gives 0. A negative input to an unsigned quantizer raises.
     """
-    min_bound, max_bound = int_bounds(num_bits, unsigned, narrow_range)
-    xf = x.float()
-    if unsigned and bool((xf < 0).any()):
+    bounds = int_bounds(num_bits, unsigned, narrow_range)
+    check_unsigned(x, unsigned)
+    scale, keep = int_scale_keep(amax, bounds[1], x.device)
+    return int_apply(x, scale, keep, bounds).to(x.dtype)
+
+
+def check_unsigned(x: torch.Tensor, unsigned: bool) -> None:
+    if unsigned and bool((x < 0).any()):
         raise ValueError(
             "unsigned=True quantizer received negative input; use unsigned=False for signed data"
         )
-    amax = amax.to(device=xf.device, dtype=torch.float32)
-    tiny = amax <= TINY_AMAX
-    any_tiny = bool(tiny.any())
-    if any_tiny:
-        amax = amax.masked_fill(tiny, 1.0)
-    scale = torch.full((), float(max_bound), device=xf.device) / amax
-    out = torch.mul(xf, scale).round_().clamp_(min_bound, max_bound).div_(scale)
-    if any_tiny:
-        out.masked_fill_(tiny, 0.0)
-    return out.to(x.dtype)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ._blocks import BlockLayout
+from ._chunks import map_rows
 from .rounding import MINIFLOATS, MinifloatSpec, minifloat_round
 
 __all__ = ["MX_BLOCK", "MX_ELEMENTS", "mx_fake_quant", "mx_scale_exponent"]
@@ -55,15 +56,17 @@ def mx_fake_quant(x: torch.Tensor, num_bits: object, block_size: int = MX_BLOCK)
     if block_size <= 0:
         raise ValueError(f"block_sizes[-1]={block_size} must be a positive block length (MX: 32)")
     spec = _element(num_bits)
-    xf = x.float()
-    layout = BlockLayout.build(xf.shape, {-1: block_size})
-    blocks = layout.split(xf)
-    exp = mx_scale_exponent(blocks.abs().amax(dim=-1, keepdim=True), num_bits)
-    scale = torch.ldexp(torch.ones_like(exp, dtype=torch.float32), exp)
-    v = blocks / scale  # exact: a power-of-two scale
-    if spec is None:
-        step = 2.0**-_MXINT8_FRAC_BITS
-        q = v.div_(step).round_().clamp_(-127, 127).mul_(step)
-    else:
-        q = minifloat_round(v.abs(), spec).copysign_(v)
-    return layout.merge(q.mul_(scale)).to(x.dtype)
+    layout = BlockLayout.build(x.shape, {-1: block_size})
+
+    def quantize_rows(rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        v = out.copy_(rows)
+        exp = mx_scale_exponent(v.abs().amax(dim=-1, keepdim=True), num_bits)
+        scale = torch.ldexp(torch.ones_like(exp, dtype=torch.float32), exp)
+        v.div_(scale)  # exact: a power-of-two scale
+        if spec is None:
+            q = v.mul_(2.0**_MXINT8_FRAC_BITS).round_().clamp_(-127, 127).div_(2.0**_MXINT8_FRAC_BITS)
+        else:
+            q = v.copy_(minifloat_round(v.abs(), spec).copysign_(v))
+        return q.mul_(scale)
+
+    return layout.merge(map_rows(quantize_rows, layout.split(x))).to(x.dtype)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ._blocks import BlockLayout
+from ._chunks import map_rows
 from .rounding import E2M1_VALUES, TINY_AMAX, e2m1_index, e2m1_round, true_div
 
 __all__ = [
@@ -53,22 +54,21 @@ def nvfp4_fake_quant(
     """
     if block_size <= 0:
         raise ValueError(f"block_sizes[-1]={block_size} must be a positive block length (NVFP4: 16)")
-    xf = x.float()
-    layout = BlockLayout.build(xf.shape, {-1: block_size})
-    blocks = layout.split(xf)
-    mag = blocks.abs()
-    block_amax = mag.amax(dim=-1, keepdim=True)
+    layout = BlockLayout.build(x.shape, {-1: block_size})
+    blocks = layout.split(x)
     if global_amax is None:
-        global_amax = block_amax.max()
-    global_amax = global_amax.to(device=xf.device, dtype=torch.float32)
+        global_amax = blocks.abs().amax()
+    global_amax = global_amax.to(device=x.device, dtype=torch.float32)
     if bool((global_amax <= TINY_AMAX).all()):
         return torch.zeros_like(x)
     s2 = nvfp4_global_scale(global_amax)
-    s = nvfp4_block_scales(block_amax, s2)
-    step = s * s2  # the dequantized block scale
-    q = e2m1_round(mag.div_(step))
-    out = q.copysign_(blocks).mul_(step)
-    return layout.merge(out).to(x.dtype)
+
+    def quantize_rows(rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        mag = torch.abs(rows, out=out) if rows.dtype == torch.float32 else out.copy_(rows).abs_()
+        step = nvfp4_block_scales(mag.amax(dim=-1, keepdim=True), s2).mul_(s2)  # dequantized scale
+        return e2m1_round(mag.div_(step), out=mag).copysign_(rows).mul_(step)
+
+    return layout.merge(map_rows(quantize_rows, blocks)).to(x.dtype)
 
 
 def pack_e2m1(x_scaled: torch.Tensor) -> torch.Tensor:

@@ -52,16 +52,21 @@ def true_div(num: torch.Tensor, den: float) -> torch.Tensor:
     return num / torch.full((), den, dtype=num.dtype, device=num.device)
 
 
-def minifloat_round(a: torch.Tensor, spec: MinifloatSpec) -> torch.Tensor:
-    """Round non-negative float32 ``a`` to the nearest value of ``spec`` (ties to even), saturating.
+def minifloat_round(
+    a: torch.Tensor, spec: MinifloatSpec, out: torch.Tensor | None = None, signed: bool = False
+) -> torch.Tensor:
+    """Round float32 ``a`` to the nearest value of ``spec`` (ties to even), saturating at its maximum.
 
-    The spacing of representable values around ``a`` is ``2**(max(floor(log2 a), min_exp) - man_bits)``;
-    dividing by that power of two is exact, so ``torch.round`` (half to even) does the rounding.
+    ``a`` must be non-negative unless ``signed=True``. The spacing of representable values around ``|a|``
+    is ``2**(max(floor(log2 |a|), min_exp) - man_bits)``; dividing by that power of two is exact, so
+    ``torch.round`` (half to even) does the rounding. ``out`` may be ``a`` itself.
     """
-    bits = a.view(torch.int32)
+    mag = a.abs() if signed else a
+    bits = mag.view(torch.int32)
     exp = torch.bitwise_right_shift(bits, 23).sub_(127).clamp_(min=spec.min_exp)
     step = exp.sub_(spec.man_bits - 127).bitwise_left_shift_(23).view(torch.float32)
-    return (a / step).round_().mul_(step).clamp_(max=spec.max_value)
+    res = torch.div(a, step, out=out).round_().mul_(step)
+    return res.clamp_(-spec.max_value, spec.max_value) if signed else res.clamp_(max=spec.max_value)
 
 
 #: E2M1 magnitudes and the decision boundaries between neighbours (NUMERICS.md). A value equal to a
@@ -95,7 +100,9 @@ def e2m1_index(a: torch.Tensor) -> torch.Tensor:
     return torch.bucketize(a, boundaries)
 
 
-def e2m1_round(a: torch.Tensor) -> torch.Tensor:
-    """Round non-negative float32 ``a`` to an E2M1 magnitude with the thresholds of NUMERICS.md."""
-    _, values = _e2m1_tables(a.device)
-    return values[e2m1_index(a)]
+def e2m1_round(a: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Round non-negative float32 ``a`` to an E2M1 magnitude with the thresholds of NUMERICS.md.
+
+    Those thresholds are round-to-nearest with ties to the even mantissa, i.e. :func:`minifloat_round`
+    for E2M1 (several times faster than a table look-up; the tests check the two agree)."""
+    return minifloat_round(a, E2M1, out=out)

@@ -191,3 +191,41 @@ def test_mxint8_grid_is_symmetric():
     out = mx_fake_quant(x, 8)
     assert out[0, 1] == -127 / 64
     assert torch.equal(mx_fake_quant(-x, 8), -out)
+
+
+def test_fp8_arithmetic_rounding_equals_the_cast():
+    # every float32 bit pattern step across the E4M3 / E5M2 ranges, ties included
+    from modelopt_lite.formats.fp8 import FP8_FORMATS
+    from modelopt_lite.formats.rounding import minifloat_round
+
+    for spec, dtype in FP8_FORMATS.values():
+        lo = torch.tensor(2.0**-20).view(torch.int32)
+        hi = torch.tensor(spec.max_value).view(torch.int32)
+        bits = torch.arange(int(lo), int(hi) + 1, 97, dtype=torch.int32)
+        a = torch.cat([bits.view(torch.float32), torch.tensor([0.0, spec.max_value])])
+        a = torch.cat([a, -a])
+        assert torch.equal(minifloat_round(a.clone(), spec, signed=True), a.to(dtype).float())
+
+
+@pytest.mark.parametrize(
+    "attrs",
+    [
+        {"num_bits": 8},
+        {"num_bits": 8, "axis": 0},
+        {"num_bits": 4, "block_sizes": {-1: 128}},
+        {"num_bits": (4, 3)},
+        {"num_bits": (4, 3), "block_sizes": {-1: None, "type": "dynamic"}},
+        {"num_bits": (2, 1), "block_sizes": {-1: 16, "type": "dynamic", "scale_bits": (4, 3)}},
+        {"num_bits": (2, 1), "block_sizes": {-1: 32, "type": "dynamic", "scale_bits": (8, 0)}},
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cache_sized_slices_give_the_same_bits(monkeypatch, attrs, dtype):
+    from modelopt_lite.formats import _chunks, reduce_amax
+
+    spec = resolve_format(**attrs)
+    x = _data((24, 256), dtype)
+    amax = reduce_amax(x, spec) * 0.9 if spec.needs_amax else None
+    whole = fake_quant_reference(x, spec, amax)
+    monkeypatch.setattr(_chunks, "CHUNK_ELEMENTS", 300)  # many slices, not aligned with rows or blocks
+    assert torch.equal(fake_quant_reference(x, spec, amax), whole)

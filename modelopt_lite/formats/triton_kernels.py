@@ -56,10 +56,18 @@ if AVAILABLE:
         return _round_half_even(a * inv_step) * step
 
     @triton.jit
-    def _load_amax(amax_ptr, row, AMAX_PER_ROW: tl.constexpr):
+    def _load_row_tile(x_ptr, amax_ptr, n_cols, AMAX_PER_ROW: tl.constexpr, BLOCK: tl.constexpr):
+        """This program's tile of one row (float32), its offsets and mask, and the row's amax."""
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        offs = row.to(tl.int64) * n_cols + cols
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         if AMAX_PER_ROW:
-            return tl.load(amax_ptr + row).to(tl.float32)
-        return tl.load(amax_ptr).to(tl.float32)
+            amax = tl.load(amax_ptr + row).to(tl.float32)
+        else:
+            amax = tl.load(amax_ptr).to(tl.float32)
+        return x, amax, offs, mask
 
     @triton.jit
     def _int_rows_kernel(
@@ -67,12 +75,7 @@ if AVAILABLE:
         MIN_BOUND: tl.constexpr, MAX_BOUND: tl.constexpr, AMAX_PER_ROW: tl.constexpr,
         BLOCK: tl.constexpr,
     ):  # fmt: skip
-        row = tl.program_id(0)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        offs = row.to(tl.int64) * n_cols + cols
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        amax = _load_amax(amax_ptr, row, AMAX_PER_ROW)
+        x, amax, offs, mask = _load_row_tile(x_ptr, amax_ptr, n_cols, AMAX_PER_ROW, BLOCK)
         tiny = amax <= _TINY
         scale = tl.math.div_rn(tl.full((), MAX_BOUND, tl.float32), tl.where(tiny, 1.0, amax))
         v = tl.minimum(tl.maximum(x * scale, MIN_BOUND), MAX_BOUND)
@@ -86,12 +89,7 @@ if AVAILABLE:
         MIN_EXP: tl.constexpr, MAN_BITS: tl.constexpr, MAX_VALUE: tl.constexpr,
         AMAX_PER_ROW: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
-        row = tl.program_id(0)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        offs = row.to(tl.int64) * n_cols + cols
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        amax = _load_amax(amax_ptr, row, AMAX_PER_ROW)
+        x, amax, offs, mask = _load_row_tile(x_ptr, amax_ptr, n_cols, AMAX_PER_ROW, BLOCK)
         amax = tl.where(amax <= _TINY, 1.0, amax)
         scale = tl.math.div_rn(tl.full((), 1.0, tl.float32), amax) * MAX_VALUE
         v = x * scale

@@ -229,3 +229,17 @@ def test_cache_sized_slices_give_the_same_bits(monkeypatch, attrs, dtype):
     whole = fake_quant_reference(x, spec, amax)
     monkeypatch.setattr(_chunks, "CHUNK_ELEMENTS", 300)  # many slices, not aligned with rows or blocks
     assert torch.equal(fake_quant_reference(x, spec, amax), whole)
+
+
+def test_e2m1_packing_layout_and_round_trip():
+    from modelopt_lite.formats import pack_e2m1, unpack_e2m1
+
+    vals = torch.tensor([[0.5, -6.0, 1.5, 0.0, -0.0, 3.0, -0.5, 4.0]])
+    packed = pack_e2m1(vals)
+    assert packed.dtype == torch.uint8
+    assert packed.shape == (1, 4)
+    # even element in the low nibble; code = sign << 3 | index into (0, .5, 1, 1.5, 2, 3, 4, 6)
+    assert packed.tolist() == [[0x1 | (0xF << 4), 0x3 | (0x0 << 4), 0x0 | (0x5 << 4), 0x9 | (0x6 << 4)]]
+    assert torch.equal(unpack_e2m1(packed), vals)
+    with pytest.raises(ValueError, match="even last dimension"):
+        pack_e2m1(torch.zeros(1, 3))

@@ -17,7 +17,7 @@ import torch
 
 from ._blocks import BlockLayout
 from ._chunks import map_rows
-from .rounding import E2M1_VALUES, TINY_AMAX, e2m1_index, e2m1_round, true_div
+from .rounding import TINY_AMAX, e2m1_index, e2m1_round, e2m1_tables, true_div
 
 __all__ = [
     "NVFP4_BLOCK",
@@ -89,6 +89,6 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`pack_e2m1`: float32 E2M1 values, last dimension doubled."""
     low, high = packed & 0x0F, packed >> 4
     codes = torch.stack((low, high), dim=-1).flatten(-2).long()
-    values = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
+    _, values = e2m1_tables(packed.device)
     mag = values[codes & 0x7]
     return torch.where(codes >= 8, -mag, mag)

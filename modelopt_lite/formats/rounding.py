@@ -83,7 +83,7 @@ E2M1_BOUNDARIES = tuple(
 _E2M1_CACHE: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _e2m1_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def e2m1_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     tables = _E2M1_CACHE.get(device)
     if tables is None:
         tables = (
@@ -96,7 +96,7 @@ def _e2m1_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 
 def e2m1_index(a: torch.Tensor) -> torch.Tensor:
     """Index into :data:`E2M1_VALUES` of the rounded non-negative float32 ``a`` (int64)."""
-    boundaries, _ = _e2m1_tables(a.device)
+    boundaries, _ = e2m1_tables(a.device)
     return torch.bucketize(a, boundaries)
 
 

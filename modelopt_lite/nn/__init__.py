@@ -1,13 +1,28 @@
-"""Floor 2: ``TensorQuantizer``, calibrators (and, with later work, quantized module wrappers)."""
+"""Floor 2: ``TensorQuantizer``, calibrators, quantized module wrappers (Linear, Conv1D, attention with
+KV-cache quantizers) and the module-class -> wrapper registry."""
 
+from . import kv_attention, quant_linear  # noqa: F401  (their wrappers register at definition time)
 from .calibrators import Calibrator, HistogramCalibrator, MaxCalibrator, make_calibrator
+from .kv_attention import QuantAttention
+from .quant_linear import QuantConv1D, QuantLinear
+from .quant_module import QUANT_MODULES, Quantizer, QuantModule, QuantModuleRegistry, iter_quantizers
+from .sequential_quantizer import SequentialQuantizer
 from .tensor_quantizer import QuantizerAttributes, TensorQuantizer
 
 __all__ = [
+    "QUANT_MODULES",
     "Calibrator",
     "HistogramCalibrator",
     "MaxCalibrator",
+    "QuantAttention",
+    "QuantConv1D",
+    "QuantLinear",
+    "QuantModule",
+    "QuantModuleRegistry",
+    "Quantizer",
     "QuantizerAttributes",
+    "SequentialQuantizer",
     "TensorQuantizer",
+    "iter_quantizers",
     "make_calibrator",
 ]

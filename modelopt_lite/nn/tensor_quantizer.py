@@ -47,7 +47,7 @@ class TensorQuantizer(nn.Module):
 
     def __init__(self, name: str = "TensorQuantizer", **attributes: Any):
         super().__init__()
-        self.name = name
+        self._name = name
         self._attrs = QuantizerAttributes()
         self._spec = self._attrs.spec()
         self.register_buffer("_amax", None)
@@ -87,9 +87,25 @@ class TensorQuantizer(nn.Module):
         self._attrs, self._spec, self._calibrator = new, spec, calibrator
         return self
 
+    def set_attributes(self, attributes: QuantizerAttributes) -> TensorQuantizer:
+        """Replace every attribute at once (a config rule with ``cfg`` does this); returns ``self``."""
+        if not isinstance(attributes, QuantizerAttributes):
+            raise TypeError(f"{self.name}: expected QuantizerAttributes, got {type(attributes).__name__}")
+        return self.configure(**{k: getattr(attributes, k) for k in QuantizerAttributes.__dataclass_fields__})
+
     @property
     def attributes(self) -> QuantizerAttributes:
         return self._attrs
+
+    @property
+    def name(self) -> str:
+        """The quantizer's dotted path in its model (set on insertion); used in every message."""
+        return self._name
+
+    @name.setter
+    def name(self, value: str) -> None:
+        self._name = value
+        self._calibrator.owner = value
 
     @property
     def spec(self) -> FormatSpec:
@@ -218,7 +234,29 @@ class TensorQuantizer(nn.Module):
         except ValueError as err:
             raise ValueError(f"{self.name}: {err}") from None
 
-    # ----------------------------------------------------------------------- state_dict
+    # ----------------------------------------------------------------------- device / dtype / state_dict
+    def _apply(self, fn, recurse=True):  # type: ignore[override]
+        # amax and pre_quant_scale stay float32 under model.to(bfloat16) / .half(): a rounded amax would
+        # change every quantized value. Device moves apply as usual.
+        saved = {b: getattr(self, b) for b in _OPTIONAL_BUFFERS}
+        super()._apply(fn, recurse)
+        for buf, old in saved.items():
+            new = getattr(self, buf)
+            if old is not None and new is not None and new.dtype != old.dtype:
+                setattr(self, buf, old.to(device=new.device))
+        return self
+
+    def allocate_buffers(self, shapes: dict[str, list[int]], device: torch.device | str = "cpu") -> None:
+        """Create ``amax`` / ``pre_quant_scale`` placeholders (zeros) of the given shapes so that a
+        checkpoint loader that only fills existing buffers can load them."""
+        for buf, shape in shapes.items():
+            if buf not in _OPTIONAL_BUFFERS:
+                raise ValueError(f"{self.name}: unknown buffer {buf!r} (allowed: {_OPTIONAL_BUFFERS})")
+            setattr(self, buf, torch.zeros(shape, dtype=torch.float32, device=device))
+
+    def buffer_shapes(self) -> dict[str, list[int]]:
+        return {b: list(getattr(self, b).shape) for b in _OPTIONAL_BUFFERS if getattr(self, b) is not None}
+
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # type: ignore[override]
         # ``amax`` / ``pre_quant_scale`` exist only once set; create them from the checkpoint.
         for buf in _OPTIONAL_BUFFERS:
@@ -226,7 +264,7 @@ class TensorQuantizer(nn.Module):
             if key in state_dict:
                 ref = getattr(self, buf)
                 device = ref.device if ref is not None else state_dict[key].device
-                setattr(self, buf, state_dict[key].detach().clone().to(device))
+                setattr(self, buf, state_dict[key].detach().clone().to(device=device, dtype=torch.float32))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     # ----------------------------------------------------------------------- repr

@@ -1,0 +1,115 @@
+"""KV-cache quantization through transformers' ``AttentionInterface``.
+
+Attention classes of transformers call ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation](module, q, k, v,
+mask, ...)`` on the keys and values after RoPE, which is what a KV cache stores. We register two attention
+functions under our own names, ``modelopt_lite_sdpa`` and ``modelopt_lite_eager``, each with the mask function
+of the implementation it wraps (transformers' documented seam for custom attention). They apply the
+attention module's ``k_bmm_quantizer`` / ``v_bmm_quantizer`` and call the wrapped implementation unchanged.
+
+Inserting quantizers switches a model on ``sdpa`` / ``eager`` to the matching name (outputs are identical
+while the KV quantizers are disabled). If the implementation is changed afterwards to one we do not wrap
+(``flash_attention_2``, ...), an attention forward with enabled KV quantizers raises instead of silently
+skipping them.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+from .quant_module import QUANT_MODULES, QuantModule
+from .tensor_quantizer import TensorQuantizer
+
+__all__ = ["KV_ATTENTION_IMPLEMENTATIONS", "QuantAttention", "kv_attention_name"]
+
+_PREFIX = "modelopt_lite_"
+KV_ATTENTION_IMPLEMENTATIONS = {"sdpa": _PREFIX + "sdpa", "eager": _PREFIX + "eager"}
+
+
+def kv_attention_name(implementation: str | None) -> str | None:
+    """Our name for ``implementation`` (``None`` when we do not wrap it); ours map to themselves."""
+    if implementation is None:
+        return KV_ATTENTION_IMPLEMENTATIONS["eager"]
+    if implementation in KV_ATTENTION_IMPLEMENTATIONS.values():
+        return implementation
+    return KV_ATTENTION_IMPLEMENTATIONS.get(implementation)
+
+
+def _model_eager_attention(module: nn.Module) -> Callable[..., Any]:
+    """The ``eager_attention_forward`` of the modeling file that defines ``module``'s class."""
+    cls = getattr(module, "original_cls", type(module))
+    fn = getattr(inspect.getmodule(cls), "eager_attention_forward", None)
+    if fn is None:
+        raise RuntimeError(
+            f"{cls.__qualname__}: its modeling file defines no eager_attention_forward; use "
+            f"attn_implementation='sdpa' for KV-cache quantization of this model"
+        )
+    return fn
+
+
+def _quantize_kv(module: nn.Module, key: torch.Tensor, value: torch.Tensor):
+    kq = getattr(module, "k_bmm_quantizer", None)
+    vq = getattr(module, "v_bmm_quantizer", None)
+    return (key if kq is None else kq(key)), (value if vq is None else vq(value))
+
+
+def _sdpa_with_kv(module, query, key, value, attention_mask, **kwargs):
+    key, value = _quantize_kv(module, key, value)
+    return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
+
+
+def _eager_with_kv(module, query, key, value, attention_mask, **kwargs):
+    key, value = _quantize_kv(module, key, value)
+    return _model_eager_attention(module)(module, query, key, value, attention_mask, **kwargs)
+
+
+# Definition-time registration under our own names (never replacing a name transformers defines).
+AttentionInterface.register(KV_ATTENTION_IMPLEMENTATIONS["sdpa"], _sdpa_with_kv)
+AttentionInterface.register(KV_ATTENTION_IMPLEMENTATIONS["eager"], _eager_with_kv)
+AttentionMaskInterface.register(KV_ATTENTION_IMPLEMENTATIONS["sdpa"], sdpa_mask)
+AttentionMaskInterface.register(KV_ATTENTION_IMPLEMENTATIONS["eager"], eager_mask)
+
+
+class QuantAttention(QuantModule):
+    """Adds ``k_bmm_quantizer`` and ``v_bmm_quantizer`` (per tensor by default, like every quantizer)."""
+
+    def _setup(self) -> None:
+        self.k_bmm_quantizer = TensorQuantizer("k_bmm_quantizer")
+        self.v_bmm_quantizer = TensorQuantizer("v_bmm_quantizer")
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.k_bmm_quantizer.is_enabled or self.v_bmm_quantizer.is_enabled:
+            impl = getattr(getattr(self, "config", None), "_attn_implementation", None)
+            if impl not in KV_ATTENTION_IMPLEMENTATIONS.values():
+                raise RuntimeError(
+                    f"{type(self).__name__}: KV-cache quantizers are enabled but the model's attention "
+                    f"implementation is {impl!r}, which would bypass them. Use "
+                    f"model.set_attn_implementation({KV_ATTENTION_IMPLEMENTATIONS['sdpa']!r}) (or "
+                    f"{KV_ATTENTION_IMPLEMENTATIONS['eager']!r}), or disable the *_bmm_quantizer rules"
+                )
+        return super().forward(*args, **kwargs)
+
+
+def _is_interface_attention(cls: type[nn.Module]) -> bool:
+    """Attention classes of transformers' modeling files that dispatch through the AttentionInterface."""
+    if not cls.__name__.endswith("Attention") or not cls.__module__.startswith("transformers.models."):
+        return False
+    module = inspect.getmodule(cls)
+    if getattr(module, "ALL_ATTENTION_FUNCTIONS", None) is None:
+        return False
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+    return "ALL_ATTENTION_FUNCTIONS" in source or "eager_attention_forward" in source
+
+
+QUANT_MODULES.register_rule(
+    "transformers attention (AttentionInterface)", _is_interface_attention, QuantAttention
+)

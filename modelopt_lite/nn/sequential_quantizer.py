@@ -1,0 +1,65 @@
+"""``SequentialQuantizer``: two or more quantizers applied one after the other to the same tensor.
+
+A config rule whose ``cfg`` is a list (``W4A8_AWQ_BETA_CFG``: INT4 blocks, then FP8 per tensor) installs one
+in the quantizer's slot. Each stage is an ordinary :class:`TensorQuantizer` named ``<slot>.<i>``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from .tensor_quantizer import QuantizerAttributes, TensorQuantizer
+
+__all__ = ["SequentialQuantizer"]
+
+
+class SequentialQuantizer(nn.ModuleList):
+    """Stages run in order; calibrating from a tensor calibrates stage ``i`` on stage ``i - 1``'s output."""
+
+    def __init__(self, name: str, attributes: Sequence[QuantizerAttributes]):
+        if len(attributes) < 2:
+            raise ValueError(
+                f"{name}: a sequential quantizer needs two or more stages, got {len(attributes)}"
+            )
+        super().__init__(TensorQuantizer(f"{name}.{i}").set_attributes(a) for i, a in enumerate(attributes))
+        self._name = name
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @name.setter
+    def name(self, value: str) -> None:
+        self._name = value
+        for i, q in enumerate(self):
+            q.name = f"{value}.{i}"
+
+    @property
+    def is_enabled(self) -> bool:
+        return any(q.is_enabled for q in self)
+
+    def enable(self) -> None:
+        for q in self:
+            q.enable()
+
+    def disable(self) -> None:
+        for q in self:
+            q.disable()
+
+    def calibrate(self, x: torch.Tensor) -> SequentialQuantizer:
+        for q in self:
+            q.calibrate(x)
+            with torch.no_grad():
+                x = q(x)
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for q in self:
+            x = q(x)
+        return x
+
+    def extra_repr(self) -> str:
+        return " -> ".join(q.extra_repr() for q in self)

@@ -1,0 +1,19 @@
+"""Floor 4: the ``mto`` namespace. ``import modelopt_lite.opt as mto``::
+
+mto.save(model, "quantized.safetensors")          # weights + quantizer tensors + state (JSON metadata)
+mto.restore(fresh_model, "quantized.safetensors") # re-create quantizers, load everything
+mto.enable_huggingface_checkpointing()            # save_pretrained / from_pretrained carry the state
+"""
+
+from .checkpoint import load_state, restore, save
+from .hf import enable_huggingface_checkpointing
+from .state import modelopt_state, restore_from_modelopt_state
+
+__all__ = [
+    "enable_huggingface_checkpointing",
+    "load_state",
+    "modelopt_state",
+    "restore",
+    "restore_from_modelopt_state",
+    "save",
+]

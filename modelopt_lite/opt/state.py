@@ -1,0 +1,168 @@
+"""Quantizer state: capture it as JSON (``modelopt_state``) and re-create it on a fresh model
+(``restore_from_modelopt_state``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._version import __version__
+from ..nn import QUANT_MODULES, QuantModule, SequentialQuantizer, TensorQuantizer, iter_quantizers
+from ..quantization import QuantizeConfig, quant_state, quantizer_attributes
+from ..quantization.insertion import Provenance, name_quantizers
+from ..quantization.model_quant import QuantState, set_quant_state
+
+__all__ = ["modelopt_state", "restore_from_modelopt_state"]
+
+_FORMAT = 1
+
+
+def _class_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _quantizer_entry(q: TensorQuantizer) -> dict[str, Any]:
+    return {
+        "attributes": _plain(q.attribute_dict()),
+        "quant_enabled": q._quant_enabled,
+        "buffers": q.buffer_shapes(),
+    }
+
+
+def modelopt_state(model: nn.Module) -> dict[str, Any]:
+    """A JSON-serialisable description of every quantized module and quantizer of ``model``."""
+    modules: dict[str, Any] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, QuantModule):
+            weight = getattr(module, "weight", None)
+            modules[name] = {
+                "class": _class_name(module.original_cls),
+                "weight_shape": list(weight.shape) if isinstance(weight, torch.Tensor) else None,
+            }
+    if not modules:
+        raise ValueError(f"{type(model).__name__} is not quantized: no quantizer state to capture")
+    quantizers: dict[str, Any] = {}
+    for name, q in iter_quantizers(model):
+        if isinstance(q, SequentialQuantizer):
+            quantizers[name] = {"stages": [_quantizer_entry(s) for s in q]}
+        else:
+            quantizers[name] = _quantizer_entry(q)
+    state = quant_state(model)
+    config = getattr(model, "config", None)
+    return {
+        "format": _FORMAT,
+        "producer": {"name": "modelopt_lite", "version": __version__},
+        "quant_config": _plain(state.config.to_dict()) if state else None,
+        "provenance": state.provenance.rules if state else {},
+        "attn_implementation": getattr(config, "_attn_implementation", None),
+        "modules": modules,
+        "quantizers": quantizers,
+    }
+
+
+def _owner(quantizer_name: str, modules: dict[str, Any]) -> str:
+    """The quantized module (longest matching prefix) that holds ``quantizer_name``."""
+    best = ""
+    for name in modules:
+        if (quantizer_name.startswith(name + ".") or not name) and len(name) >= len(best):
+            best = name
+    return best
+
+
+def _check_modules(model: nn.Module, state: dict[str, Any]) -> None:
+    modules = state["modules"]
+    first_q = {}
+    for qname in state["quantizers"]:
+        first_q.setdefault(_owner(qname, modules), qname)
+    for name, info in modules.items():
+        label = f"quantizer {first_q.get(name, name)!r}"
+        try:
+            module = model.get_submodule(name) if name else model
+        except AttributeError:
+            raise ValueError(
+                f"cannot restore {label}: the model has no module {name!r} "
+                "(saved from a different architecture?)"
+            ) from None
+        cls = getattr(module, "original_cls", type(module))
+        if _class_name(cls) != info["class"]:
+            raise ValueError(
+                f"cannot restore {label}: {name!r} is {_class_name(cls)}, the state expects {info['class']}"
+            )
+        weight = getattr(module, "weight", None)
+        if info.get("weight_shape") is not None and isinstance(weight, torch.Tensor):
+            if list(weight.shape) != info["weight_shape"]:
+                raise ValueError(
+                    f"cannot restore {label}: {name}.weight has shape {list(weight.shape)}, the state "
+                    f"expects {info['weight_shape']}"
+                )
+    quantizers = (TensorQuantizer, SequentialQuantizer, QuantModule)
+    extra = [
+        n
+        for n, m in model.named_modules()
+        if n not in modules and not isinstance(m, quantizers) and type(m) in QUANT_MODULES
+    ]
+    if extra:
+        raise ValueError(
+            f"cannot restore: module {extra[0]!r} (and {len(extra) - 1} more) of the model has no quantizer "
+            "state (saved from a different architecture?)"
+        )
+
+
+def _restore_quantizer(q: TensorQuantizer, entry: dict[str, Any], device: torch.device) -> None:
+    q.set_attributes(quantizer_attributes(entry["attributes"], entry["attributes"]["enable"], q.name))
+    q._quant_enabled = bool(entry.get("quant_enabled", True))
+    q.allocate_buffers(entry.get("buffers", {}), device)
+
+
+def restore_from_modelopt_state(model: nn.Module, state: dict[str, Any]) -> nn.Module:
+    """Insert and configure the quantizers recorded in ``state`` on an unquantized ``model`` of the same
+    architecture (amax / scale buffers are allocated; load the tensors afterwards). Raises naming the first
+    quantizer that does not fit."""
+    if not isinstance(state, dict) or state.get("format") != _FORMAT:
+        raise ValueError(f"not a modelopt_lite quantizer state (format {_FORMAT} expected)")
+    if quant_state(model) is not None or any(isinstance(m, QuantModule) for m in model.modules()):
+        raise ValueError("the model is already quantized; restore onto a fresh, unquantized model")
+    _check_modules(model, state)
+    for name in state["modules"]:
+        module = model.get_submodule(name) if name else model
+        if not QUANT_MODULES.convert(module):
+            raise ValueError(f"cannot restore quantizers of {name!r}: no wrapper is registered for its class")
+    name_quantizers(model)
+    present = dict(iter_quantizers(model))
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    for qname, entry in state["quantizers"].items():
+        if qname not in present:
+            raise ValueError(f"cannot restore quantizer {qname!r}: the model has no such quantizer")
+        parent_name, _, slot = qname.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        if "stages" in entry:
+            attrs = [
+                quantizer_attributes(s["attributes"], s["attributes"]["enable"], qname)
+                for s in entry["stages"]
+            ]
+            seq = SequentialQuantizer(qname, attrs)
+            parent.replace_quantizer(slot, seq) if isinstance(parent, QuantModule) else setattr(
+                parent, slot, seq
+            )
+            for stage, sub in zip(seq, entry["stages"], strict=True):
+                _restore_quantizer(stage, sub, device)
+        else:
+            _restore_quantizer(present[qname], entry, device)
+    impl = state.get("attn_implementation")
+    config = getattr(model, "config", None)
+    if impl and config is not None and getattr(config, "_attn_implementation", None) != impl:
+        model.set_attn_implementation(impl) if hasattr(model, "set_attn_implementation") else None
+    if state.get("quant_config") is not None:
+        provenance = Provenance({k: [tuple(s) for s in v] for k, v in state.get("provenance", {}).items()})
+        set_quant_state(model, QuantState(QuantizeConfig.from_dict(state["quant_config"]), provenance))
+    return model

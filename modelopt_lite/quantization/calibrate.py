@@ -1,0 +1,191 @@
+"""Calibration: the algorithm registry and max calibration.
+
+Max calibration runs the user's ``forward_loop`` with every quantizer's fake quant off while the enabled
+static activation quantizers collect their absolute maximum; weight quantizers are calibrated from the
+weights themselves (independent of which tokens arrived). If the loop raises, quantizers are put back in
+their previous mode and keep their previous ``amax``. Afterwards every enabled static quantizer must hold a
+finite, positive ``amax``; otherwise :func:`check_calibrated` raises naming each one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..logging import get_logger, get_rank
+from ..nn import QuantModule, SequentialQuantizer, TensorQuantizer, iter_quantizers
+from .config import ALGORITHMS
+
+__all__ = ["ForwardLoop", "calibrate", "check_calibrated", "register_algorithm", "run_forward_loop"]
+
+logger = get_logger(__name__)
+
+ForwardLoop = Callable[[nn.Module], Any] | Iterable[Any]
+_ALGORITHMS: dict[str, Callable[..., None]] = {}
+
+
+def register_algorithm(name: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Register ``fn(model, forward_loop, **options)`` as the calibration algorithm ``name``."""
+    if name not in ALGORITHMS:
+        raise ValueError(f"algorithm {name!r} must be listed in quantization.config.ALGORITHMS")
+
+    def add(fn: Callable[..., None]) -> Callable[..., None]:
+        _ALGORITHMS[name] = fn
+        return fn
+
+    return add
+
+
+def calibrate(
+    model: nn.Module,
+    algorithm: str | Mapping[str, Any] | None = "max",
+    forward_loop: ForwardLoop | None = None,
+) -> nn.Module:
+    """Calibrate the quantizers of an already quantized ``model`` with ``algorithm`` (a name, a dict with
+    ``"method"`` and options, or ``None`` for nothing). Returns ``model``."""
+    options: dict[str, Any] = {}
+    if isinstance(algorithm, Mapping):
+        options = {k: v for k, v in algorithm.items() if k != "method"}
+        algorithm = algorithm.get("method")
+    if algorithm is None:
+        check_calibrated(model)
+        return model
+    if algorithm not in _ALGORITHMS:
+        if algorithm in ALGORITHMS:
+            raise NotImplementedError(
+                f"calibration algorithm {algorithm!r} is not available in this release (available: "
+                f"{sorted(_ALGORITHMS)}); set 'algorithm': 'max' in the config to calibrate with max"
+            )
+        raise ValueError(f"unknown calibration algorithm {algorithm!r} (available: {sorted(_ALGORITHMS)})")
+    if not any(True for _ in iter_quantizers(model)):
+        raise ValueError("the model has no quantizers: call mtq.quantize(model, config, ...) first")
+    _ALGORITHMS[algorithm](model, forward_loop, **options)
+    check_calibrated(model)
+    return model
+
+
+def _stages(q: TensorQuantizer | SequentialQuantizer) -> list[TensorQuantizer]:
+    return list(q) if isinstance(q, SequentialQuantizer) else [q]
+
+
+def weight_quantizers(
+    model: nn.Module,
+) -> Iterator[tuple[TensorQuantizer | SequentialQuantizer, torch.Tensor]]:
+    for module in model.modules():
+        if isinstance(module, QuantModule):
+            yield from module.weight_quantizer_pairs()
+
+
+@register_algorithm("max")
+def max_calibrate(model: nn.Module, forward_loop: ForwardLoop | None, **options: Any) -> None:
+    if options:
+        raise ValueError(f"max calibration takes no options, got {sorted(options)}")
+    weights = {id(q) for q, _ in weight_quantizers(model)}
+    activations: list[TensorQuantizer] = []
+    for name, q in iter_quantizers(model):
+        if id(q) in weights or not q.is_enabled:
+            continue
+        if isinstance(q, SequentialQuantizer):
+            raise NotImplementedError(f"{name}: sequential quantizers are supported on weights only")
+        if q.spec.needs_amax:
+            activations.append(q)
+    if activations:
+        if forward_loop is None:
+            names = ", ".join(q.name for q in activations[:4])
+            raise ValueError(
+                f"{len(activations)} activation quantizer(s) need calibration data (e.g. {names}); pass a "
+                "forward_loop (a function of the model, or an iterable of batches)"
+            )
+        _collect_activations(model, activations, forward_loop)
+    logger.info(
+        "max calibration: %d activation quantizer(s) from data, weight quantizers from the weights",
+        len(activations),
+    )
+    with torch.no_grad():
+        for q, weight in weight_quantizers(model):
+            if q.is_enabled:
+                q.calibrate(weight.detach())
+
+
+def _collect_activations(
+    model: nn.Module, activations: list[TensorQuantizer], forward_loop: ForwardLoop
+) -> None:
+    everything = [s for _, q in iter_quantizers(model) for s in _stages(q)]
+    modes = [(q, q._quant_enabled, q._calib_enabled) for q in everything]
+    training = [(m, m.training) for m in model.modules()]
+    try:
+        for q in everything:
+            q.disable_quant()
+        for q in activations:
+            q.calibrator.reset()
+            q.enable_calib()
+        model.eval()
+        with torch.no_grad():
+            run_forward_loop(model, forward_loop, desc="calibration")
+        empty = [q.name for q in activations if q.calibrator.num_batches == 0]
+        if empty:
+            raise RuntimeError(
+                f"{len(empty)} enabled activation quantizer(s) received no data during calibration: "
+                f"{', '.join(empty[:10])}{' ...' if len(empty) > 10 else ''}. Their modules never ran in "
+                "forward_loop: feed data that reaches them or disable them in the config"
+            )
+        for q in activations:
+            q.load_calib_amax()
+    finally:
+        for q, quant, calib in modes:
+            q._quant_enabled, q._calib_enabled = quant, calib
+        for q in activations:
+            q.calibrator.reset()
+        for module, mode in training:
+            module.training = mode
+
+
+def run_forward_loop(model: nn.Module, forward_loop: ForwardLoop, desc: str = "forward") -> None:
+    """Call ``forward_loop(model)``, or feed every batch of an iterable (DataLoader, list) to the model
+    (dict -> ``model(**batch)``, tuple -> ``model(*batch)``, tensor -> ``model(batch)``), with a progress
+    bar."""
+    if callable(forward_loop) and not isinstance(forward_loop, nn.Module):
+        forward_loop(model)
+        return
+    if not isinstance(forward_loop, Iterable):
+        raise TypeError(
+            f"forward_loop must be a function of the model or an iterable of batches, got "
+            f"{type(forward_loop).__name__}"
+        )
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    total = len(forward_loop) if hasattr(forward_loop, "__len__") else None
+    for batch in tqdm(forward_loop, desc=desc, total=total, disable=get_rank() != 0, leave=False):
+        if isinstance(batch, Mapping):
+            model(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()})
+        elif isinstance(batch, (tuple, list)):
+            model(*[v.to(device) if isinstance(v, torch.Tensor) else v for v in batch])
+        elif isinstance(batch, torch.Tensor):
+            model(batch.to(device))
+        else:
+            raise TypeError(f"cannot feed a batch of type {type(batch).__name__} to the model")
+
+
+def check_calibrated(model: nn.Module) -> None:
+    """Raise naming every enabled static quantizer whose ``amax`` is missing, NaN / inf, or zero."""
+    problems: list[str] = []
+    for _, q in iter_quantizers(model):
+        for stage in _stages(q):
+            if not stage.is_enabled or not stage.spec.needs_amax:
+                continue
+            amax = stage.amax
+            if amax is None:
+                problems.append(f"{stage.name} (no amax)")
+            elif not bool(torch.isfinite(amax).all()):
+                problems.append(f"{stage.name} (NaN / inf amax)")
+            elif not bool((amax > 0).any()):
+                problems.append(f"{stage.name} (amax is zero: only zeros were seen)")
+    if problems:
+        raise RuntimeError(
+            f"{len(problems)} enabled quantizer(s) are not calibrated: {'; '.join(problems[:12])}"
+            f"{' ...' if len(problems) > 12 else ''}. Calibrate them (a forward_loop that reaches them) "
+            "or disable them in the config"
+        )

@@ -1,0 +1,265 @@
+"""The typed quantization config: an ordered list of rules plus a calibration algorithm.
+
+Accepted input (all validated at construction; a bad key or value raises naming what is allowed):
+
+* the reference library's list form::
+
+    {"quant_cfg": [{"quantizer_name": "*", "enable": False},
+                   {"quantizer_name": "*weight_quantizer", "cfg": {"num_bits": 8, "axis": 0}}],
+     "algorithm": "max"}
+
+* its older dict form ``{"quant_cfg": {"*weight_quantizer": {...}, "default": {"enable": False}}}``
+  (also ``{"nn.Linear": {"*input_quantizer": {...}}}`` scoped entries).
+
+Rules apply in order and later rules win. A rule with ``cfg`` replaces every attribute of the quantizers it
+matches (unspecified attributes go back to their defaults) and enables them unless it says
+``"enable": False``; a rule with only ``enable`` toggles them. ``cfg`` may be a list: a sequential
+quantizer (W4A8). The pattern ``"default"`` is the fallback for quantizers no other rule matches: it is
+applied first, whatever its position (configs written for older releases put it last and mean exactly
+that; release 0.47 of the reference applies it in place, which disables everything).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+from ..nn import QuantizerAttributes
+
+__all__ = ["ALGORITHMS", "QuantRule", "QuantizeConfig", "quantizer_attributes"]
+
+#: Calibration algorithms a config may name (``None`` means: no calibration).
+ALGORITHMS = ("max", "smoothquant", "awq_lite", "awq_clip", "awq_full", "gptq", "mse")
+
+_OURS = {f.name for f in fields(QuantizerAttributes)} - {"enable"}
+# Reference attributes we accept but that change nothing in fake quant (kept for round trips).
+_INERT = {"effective_bits": (int, float, type(None)), "trt_high_precision_dtype": (str,)}
+# Reference attributes whose non-default values we do not implement.
+_DEFAULT_ONLY = {
+    "learn_amax": False,
+    "bias": None,
+    "rotate": False,
+    "backend": None,
+    "backend_extra_args": None,
+    "use_constant_amax": False,
+    "constant_amax": None,
+}
+_ALLOWED_KEYS = sorted(_OURS | set(_INERT) | set(_DEFAULT_ONLY) | {"type", "pass_through_bwd", "enable"})
+
+
+def quantizer_attributes(
+    cfg: Mapping[str, Any], enable: bool = True, where: str = "cfg"
+) -> QuantizerAttributes:
+    """Translate one attribute dict (reference or our names) into validated :class:`QuantizerAttributes`."""
+    if not isinstance(cfg, Mapping):
+        raise TypeError(f"{where}: expected a mapping of quantizer attributes, got {type(cfg).__name__}")
+    unknown = sorted(set(cfg) - set(_ALLOWED_KEYS))
+    if unknown:
+        raise ValueError(f"{where}: unknown quantizer attribute(s) {unknown} (allowed: {_ALLOWED_KEYS})")
+    out: dict[str, Any] = {k: copy.deepcopy(v) for k, v in cfg.items() if k in _OURS}
+    for key, types in _INERT.items():
+        if key in cfg and not isinstance(cfg[key], types):
+            raise TypeError(f"{where}: {key}={cfg[key]!r} has the wrong type")
+    for key, default in _DEFAULT_ONLY.items():
+        if key in cfg and cfg[key] != default:
+            raise ValueError(f"{where}: {key}={cfg[key]!r} is not supported (only {default!r})")
+    if isinstance(out.get("num_bits"), list):
+        out["num_bits"] = tuple(out["num_bits"])
+    kind = cfg.get("type", "static")
+    if kind not in ("static", "dynamic"):
+        raise ValueError(f"{where}: type={kind!r} (allowed: 'static', 'dynamic')")
+    if out.get("block_sizes") is not None:
+        blocks = {
+            (int(k) if isinstance(k, str) and k.lstrip("-").isdigit() else k): v
+            for k, v in out["block_sizes"].items()
+        }
+        if isinstance(blocks.get("scale_bits"), list):
+            blocks["scale_bits"] = tuple(blocks["scale_bits"])
+        if kind == "dynamic":
+            blocks.setdefault("type", "dynamic")
+        out["block_sizes"] = blocks
+    elif kind == "dynamic":
+        raise ValueError(f"{where}: type='dynamic' needs block_sizes (e.g. {{-1: None}} for per token)")
+    if "pass_through_bwd" in cfg:
+        if not isinstance(cfg["pass_through_bwd"], bool):
+            raise TypeError(f"{where}: pass_through_bwd must be True or False")
+        if "backward" in cfg:
+            raise ValueError(f"{where}: give either pass_through_bwd or backward, not both")
+        out["backward"] = "pass_through" if cfg["pass_through_bwd"] else "clipped"
+    if "enable" in cfg:
+        enable = cfg["enable"]
+    if not isinstance(enable, bool):
+        raise TypeError(f"{where}: enable={enable!r} must be True or False")
+    try:
+        attrs = QuantizerAttributes(**out, enable=enable)
+        attrs.spec()
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{where}: {err}") from None
+    return attrs
+
+
+@dataclass(frozen=True)
+class QuantRule:
+    """One entry of ``quant_cfg``; ``cfg`` is kept as written so configs round-trip unchanged."""
+
+    quantizer_name: str
+    cfg: Mapping[str, Any] | tuple[Mapping[str, Any], ...] | None = None
+    enable: bool | None = None
+    parent_class: str | None = None
+
+    def __post_init__(self) -> None:
+        where = f"quant_cfg rule {self.quantizer_name!r}"
+        if not isinstance(self.quantizer_name, str) or not self.quantizer_name:
+            raise TypeError(f"quantizer_name must be a non-empty string, got {self.quantizer_name!r}")
+        if self.enable is not None and not isinstance(self.enable, bool):
+            raise TypeError(f"{where}: enable={self.enable!r} must be True, False or absent")
+        if self.parent_class is not None and not isinstance(self.parent_class, str):
+            raise TypeError(f"{where}: parent_class must be a class name such as 'nn.Linear'")
+        if self.cfg is None and self.enable is None:
+            raise ValueError(f"{where}: a rule needs 'cfg', 'enable' or both")
+        if isinstance(self.cfg, Sequence) and not isinstance(self.cfg, (str, bytes)):
+            if len(self.cfg) == 0:
+                raise ValueError(f"{where}: cfg list is empty")
+            object.__setattr__(self, "cfg", tuple(copy.deepcopy(dict(c)) for c in self.cfg))
+        elif self.cfg is not None:
+            object.__setattr__(self, "cfg", copy.deepcopy(dict(self.cfg)))
+        self.attributes()  # validate now
+
+    @property
+    def is_fallback(self) -> bool:
+        return self.quantizer_name == "default"
+
+    def attributes(self) -> tuple[QuantizerAttributes, ...] | None:
+        """The attributes this rule sets (one per stage), or ``None`` for an enable-only rule."""
+        if self.cfg is None:
+            return None
+        enable = True if self.enable is None else self.enable
+        cfgs = self.cfg if isinstance(self.cfg, tuple) else (self.cfg,)
+        where = f"quant_cfg rule {self.quantizer_name!r}"
+        return tuple(quantizer_attributes(c, enable, where) for c in cfgs)
+
+    def describe(self) -> str:
+        what = []
+        if self.cfg is not None:
+            attrs = self.attributes() or ()
+            what.append(" -> ".join(f"{a.spec().name} {a.spec().granularity}" for a in attrs))
+        if self.enable is not None:
+            what.append(f"enable={self.enable}")
+        scope = f" [{self.parent_class}]" if self.parent_class else ""
+        return f"{self.quantizer_name!r}{scope}: {', '.join(what)}"
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"quantizer_name": self.quantizer_name}
+        if self.parent_class is not None:
+            out["parent_class"] = self.parent_class
+        if self.cfg is not None:
+            out["cfg"] = copy.deepcopy(list(self.cfg) if isinstance(self.cfg, tuple) else dict(self.cfg))
+        if self.enable is not None:
+            out["enable"] = self.enable
+        return out
+
+    @classmethod
+    def from_entry(cls, entry: Any) -> list[QuantRule]:
+        """One list entry: ``{"quantizer_name": ..., ...}`` or the single-key legacy ``{pattern: cfg}``."""
+        if not isinstance(entry, Mapping):
+            raise TypeError(f"quant_cfg entry must be a mapping, got {entry!r}")
+        if "quantizer_name" in entry:
+            unknown = sorted(set(entry) - {"quantizer_name", "cfg", "enable", "parent_class"})
+            if unknown:
+                raise ValueError(
+                    f"quant_cfg entry {entry['quantizer_name']!r}: unknown key(s) {unknown} "
+                    "(allowed: quantizer_name, cfg, enable, parent_class)"
+                )
+            return [cls(**entry)]
+        rules: list[QuantRule] = []
+        for key, value in entry.items():
+            rules.extend(cls._legacy(key, value))
+        return rules
+
+    @classmethod
+    def _legacy(cls, pattern: Any, value: Any, parent_class: str | None = None) -> list[QuantRule]:
+        if not isinstance(pattern, str):
+            raise TypeError(f"quant_cfg key {pattern!r} must be a string pattern")
+        if pattern.startswith("nn.") and parent_class is None:
+            if not isinstance(value, Mapping):
+                raise TypeError(f"quant_cfg[{pattern!r}] must map quantizer patterns to attributes")
+            return [r for k, v in value.items() for r in cls._legacy(k, v, parent_class=pattern)]
+        if isinstance(value, Mapping):
+            cfg = {k: v for k, v in value.items() if k != "enable"} or None
+            return [cls(pattern, cfg, value.get("enable"), parent_class)]
+        if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+            return [cls(pattern, tuple(value), None, parent_class)]
+        raise TypeError(f"quant_cfg[{pattern!r}]={value!r}: expected a mapping of attributes or a list")
+
+
+@dataclass(frozen=True)
+class QuantizeConfig:
+    """Rules (applied in order) and the calibration algorithm (a name, ``{"method": ..., **options}``
+    or ``None``)."""
+
+    quant_cfg: tuple[QuantRule, ...]
+    algorithm: str | Mapping[str, Any] | None = "max"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "quant_cfg", tuple(self.quant_cfg))
+        for rule in self.quant_cfg:
+            if not isinstance(rule, QuantRule):
+                raise TypeError(f"quant_cfg must hold QuantRule objects, got {type(rule).__name__}")
+        if isinstance(self.algorithm, Mapping):
+            object.__setattr__(self, "algorithm", copy.deepcopy(dict(self.algorithm)))
+        name = self.algorithm_name
+        if name is not None and name not in ALGORITHMS:
+            raise ValueError(f"algorithm={name!r} is unknown (allowed: {list(ALGORITHMS)} or None)")
+
+    @property
+    def algorithm_name(self) -> str | None:
+        if isinstance(self.algorithm, Mapping):
+            if "method" not in self.algorithm:
+                raise ValueError(f"algorithm={self.algorithm!r} needs a 'method' key")
+            return self.algorithm["method"]
+        if self.algorithm is not None and not isinstance(self.algorithm, str):
+            raise TypeError(
+                f"algorithm must be a name, a dict with 'method', or None; got {self.algorithm!r}"
+            )
+        return self.algorithm
+
+    @property
+    def algorithm_options(self) -> dict[str, Any]:
+        if isinstance(self.algorithm, Mapping):
+            return {k: v for k, v in self.algorithm.items() if k != "method"}
+        return {}
+
+    @classmethod
+    def from_dict(cls, config: Mapping[str, Any]) -> QuantizeConfig:
+        if not isinstance(config, Mapping):
+            raise TypeError(f"a quantization config must be a mapping, got {type(config).__name__}")
+        unknown = sorted(set(config) - {"quant_cfg", "algorithm"})
+        if unknown:
+            raise ValueError(f"unknown config key(s) {unknown} (allowed: 'quant_cfg', 'algorithm')")
+        if "quant_cfg" not in config:
+            raise ValueError("a quantization config needs 'quant_cfg' (a list of rules)")
+        raw = config["quant_cfg"]
+        if isinstance(raw, Mapping):
+            rules = [r for key, value in raw.items() for r in QuantRule._legacy(key, value)]
+        elif isinstance(raw, Sequence) and not isinstance(raw, (str, bytes)):
+            rules = [r for entry in raw for r in QuantRule.from_entry(entry)]
+        else:
+            raise TypeError(f"quant_cfg must be a list of rules or a mapping, got {type(raw).__name__}")
+        return cls(tuple(rules), config.get("algorithm", "max"))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The list form (what the reference library and our YAML recipes use)."""
+        return {
+            "quant_cfg": [r.to_dict() for r in self.quant_cfg],
+            "algorithm": copy.deepcopy(self.algorithm),
+        }
+
+    def ordered_rules(self) -> list[QuantRule]:
+        """Rules in application order: fallback (``"default"``) rules first, then the rest as written."""
+        return [r for r in self.quant_cfg if r.is_fallback] + [r for r in self.quant_cfg if not r.is_fallback]
+
+    def with_rules(self, *rules: QuantRule, algorithm: Any = ...) -> QuantizeConfig:
+        """A copy with ``rules`` appended (they win over existing ones)."""
+        return QuantizeConfig(self.quant_cfg + rules, self.algorithm if algorithm is ... else algorithm)

@@ -1,0 +1,165 @@
+"""Insert quantizers into a model and apply a :class:`QuantizeConfig` to them, recording which rule set
+what (provenance, shown by :func:`explain` and the summary)."""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from ..logging import get_logger
+from ..nn import QUANT_MODULES, QuantModule, SequentialQuantizer, TensorQuantizer, iter_quantizers
+from ..nn.kv_attention import QuantAttention, kv_attention_name
+from .config import QuantizeConfig, QuantRule
+from .presets import STANDARD_EXCLUSIONS
+
+__all__ = ["Provenance", "apply_config", "insert_quantizers", "match_name"]
+
+logger = get_logger(__name__)
+
+# ``...weight_quantizers.3`` (fused experts, one quantizer per expert) matches ``*weight_quantizer``.
+_PER_EXPERT = re.compile(r"(_quantizer)s\.\d+$")
+_STANDARD = {(r["quantizer_name"], r.get("parent_class")) for r in STANDARD_EXCLUSIONS}
+
+
+def match_name(name: str) -> str:
+    """The name patterns are matched against (per-expert indices folded away)."""
+    return _PER_EXPERT.sub(r"\1", name)
+
+
+def insert_quantizers(model: nn.Module) -> list[str]:
+    """Convert every module with a registered wrapper; return the converted module names. Quantizers are
+    named by their dotted path. Raises when nothing in ``model`` can be quantized."""
+    converted: list[str] = []
+    shadowed: dict[str, str] = {}
+    for name, module in list(model.named_modules()):
+        if isinstance(module, (TensorQuantizer, SequentialQuantizer, QuantModule)):
+            continue
+        if QUANT_MODULES.convert(module):
+            converted.append(name)
+        elif (base := QUANT_MODULES.shadowed_subclasses(type(module))) is not None:
+            shadowed[name] = f"{type(module).__qualname__} (overrides {base.__name__}.forward)"
+    if shadowed:
+        logger.warning(
+            "%d module(s) subclass a quantizable class but override its forward and stay unquantized; "
+            "register a wrapper with mtq.register to quantize them: %s",
+            len(shadowed),
+            ", ".join(f"{k}: {v}" for k, v in list(shadowed.items())[:8]),
+        )
+    if not converted and not any(True for _ in iter_quantizers(model)):
+        raise ValueError(
+            f"{type(model).__name__} has no module that modelopt_lite can quantize (nn.Linear, Conv1D, "
+            "attention, fused experts, or a class registered with mtq.register)"
+        )
+    name_quantizers(model)
+    if any(isinstance(m, QuantAttention) for m in model.modules()):
+        _use_kv_attention(model)
+    return converted
+
+
+def name_quantizers(model: nn.Module) -> None:
+    for name, quantizer in iter_quantizers(model):
+        quantizer.name = name
+
+
+def _use_kv_attention(model: nn.Module) -> None:
+    config = getattr(model, "config", None)
+    current = getattr(config, "_attn_implementation", None)
+    target = kv_attention_name(current)
+    if config is None or target is None or target == current:
+        if target is None:
+            logger.info("attention implementation %r is not wrapped: KV-cache quantizers cannot run", current)
+        return
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(target)
+    else:
+        config._attn_implementation = target
+    logger.debug("attention implementation %r -> %r (KV-cache quantizers)", current, target)
+
+
+@dataclass
+class Provenance:
+    """For each quantizer, the rules (index, description) that set its attributes or toggled it."""
+
+    rules: dict[str, list[tuple[int, str]]] = field(default_factory=dict)
+    unmatched: list[str] = field(default_factory=list)
+
+    def explain(self, name: str) -> str:
+        steps = self.rules.get(name, [])
+        if not steps:
+            return "no rule matched (defaults)"
+        return "; ".join(f"#{i} {d}" for i, d in steps)
+
+
+def _parent_matches(parent: nn.Module, parent_class: str | None) -> bool:
+    if parent_class is None:
+        return True
+    wanted = parent_class.removeprefix("nn.")
+    cls = getattr(parent, "original_cls", type(parent))
+    return any(c.__name__ == wanted for c in cls.__mro__)
+
+
+def _matches(rule: QuantRule, name: str, parent: nn.Module) -> bool:
+    if not rule.is_fallback and not fnmatch.fnmatchcase(match_name(name), rule.quantizer_name):
+        return False
+    return _parent_matches(parent, rule.parent_class)
+
+
+def apply_config(model: nn.Module, config: QuantizeConfig) -> Provenance:
+    """Apply the rules of ``config`` in order to every quantizer of ``model``."""
+    provenance = Provenance()
+    slots = _slots(model)
+    for index, rule in enumerate(config.ordered_rules()):
+        attrs = rule.attributes()
+        hits = 0
+        replaced = False
+        for name, quantizer, parent, slot in slots:
+            if not _matches(rule, name, parent):
+                continue
+            hits += 1
+            provenance.rules.setdefault(name, []).append((index, rule.describe()))
+            if attrs is None:
+                quantizer.enable() if rule.enable else quantizer.disable()
+            else:
+                replaced |= _set(parent, slot, name, quantizer, attrs)
+        if hits == 0:
+            if (rule.quantizer_name, rule.parent_class) in _STANDARD:
+                logger.debug("standard exclusion %s matched no quantizer", rule.describe())
+            else:
+                provenance.unmatched.append(rule.describe())
+                logger.warning(
+                    "quant_cfg rule #%d %s matched no quantizer in the model", index, rule.describe()
+                )
+        if replaced:  # a rule swapped a slot between single and sequential quantizers
+            slots = _slots(model)
+    return provenance
+
+
+def _slots(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module, str]]:
+    out = []
+    for name, quantizer in iter_quantizers(model):
+        parent_name, _, slot = name.rpartition(".")
+        out.append((name, quantizer, model.get_submodule(parent_name) if parent_name else model, slot))
+    return out
+
+
+def _set(parent: nn.Module, slot: str, name: str, quantizer, attrs) -> bool:
+    """Apply ``attrs``; True when the slot's quantizer object was replaced."""
+    if len(attrs) == 1 and isinstance(quantizer, TensorQuantizer):
+        quantizer.set_attributes(attrs[0])
+        return False
+    if len(attrs) == 1:
+        new = TensorQuantizer(name).set_attributes(attrs[0])
+    else:
+        new = SequentialQuantizer(name, attrs)
+    _replace(parent, slot, new)
+    return True
+
+
+def _replace(parent: nn.Module, slot: str, quantizer) -> None:
+    if isinstance(parent, QuantModule):
+        parent.replace_quantizer(slot, quantizer)
+    else:  # a quantizer held in a container (per-expert lists)
+        setattr(parent, slot, quantizer) if not slot.isdigit() else parent.__setitem__(int(slot), quantizer)

@@ -1,0 +1,209 @@
+"""The ``mtq`` entry points: quantize, calibrate, summary / explain, fold, enable / disable."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from ..logging import get_logger
+from ..nn import QuantModule, iter_quantizers
+from .calibrate import ForwardLoop, calibrate
+from .config import QuantizeConfig
+from .insertion import Provenance, apply_config, insert_quantizers, match_name
+from .presets import KV_PRESETS, PRESETS, get_preset
+from .recipes import list_recipes, load_recipe
+
+__all__ = [
+    "QuantState",
+    "add_post_quantize_hook",
+    "disable_quantizer",
+    "enable_quantizer",
+    "explain",
+    "fold_weight",
+    "need_calibration",
+    "print_quant_summary",
+    "quant_state",
+    "quantize",
+    "resolve_config",
+    "set_quant_state",
+    "set_quantizer_by_cfg",
+]
+
+logger = get_logger(__name__)
+_STATE_ATTR = "_modelopt_lite_quant"
+# Called with the model after each successful quantize; filled only by explicit opt-ins from the floors
+# above (``mto.enable_huggingface_checkpointing()``), never at import.
+_POST_QUANTIZE_HOOKS: list[Callable[[nn.Module], None]] = []
+
+
+def add_post_quantize_hook(hook: Callable[[nn.Module], None]) -> None:
+    """Run ``hook(model)`` after every successful :func:`quantize` (idempotent per hook)."""
+    if hook not in _POST_QUANTIZE_HOOKS:
+        _POST_QUANTIZE_HOOKS.append(hook)
+
+
+@dataclass
+class QuantState:
+    """What :func:`quantize` recorded on the model: the config and which rule set each quantizer."""
+
+    config: QuantizeConfig
+    provenance: Provenance
+
+
+def quant_state(model: nn.Module) -> QuantState | None:
+    return getattr(model, _STATE_ATTR, None)
+
+
+def set_quant_state(model: nn.Module, state: QuantState) -> None:
+    setattr(model, _STATE_ATTR, state)
+
+
+def resolve_config(config: QuantizeConfig | Mapping[str, Any] | str | Path) -> QuantizeConfig:
+    """A :class:`QuantizeConfig` from a config object, a dict (list or dict form), a preset name
+    (``"NVFP4_DEFAULT_CFG"``), a packaged recipe name (``"general/ptq/int4_awq"``) or a recipe path."""
+    if isinstance(config, QuantizeConfig):
+        return config
+    if isinstance(config, Mapping):
+        return QuantizeConfig.from_dict(config)
+    if isinstance(config, (str, Path)):
+        name = str(config)
+        if name in PRESETS or name in KV_PRESETS:
+            return QuantizeConfig.from_dict(get_preset(name))
+        if name.endswith((".yaml", ".yml")) or name in list_recipes():
+            return load_recipe(name).config
+        raise ValueError(
+            f"unknown preset or recipe {name!r}; presets: {sorted(PRESETS)}; recipes: {list_recipes()}"
+        )
+    raise TypeError(
+        f"config must be a dict, a QuantizeConfig, or a preset / recipe name; got {type(config).__name__}"
+    )
+
+
+def quantize(
+    model: nn.Module,
+    config: QuantizeConfig | Mapping[str, Any] | str | Path,
+    forward_loop: ForwardLoop | None = None,
+) -> nn.Module:
+    """Insert quantizers into ``model`` (in place), apply ``config``, calibrate with its algorithm and
+    return ``model``. ``forward_loop`` is a function of the model that runs calibration data through it, or
+    an iterable of batches; weight-only configs need none."""
+    cfg = resolve_config(config)
+    previous = quant_state(model)
+    if previous is not None and previous.config != cfg:
+        raise ValueError(
+            "the model is already quantized with a different config; quantize a fresh copy of the model, "
+            "or change attributes in place with mtq.set_quantizer_by_cfg(model, quant_cfg)"
+        )
+    if previous is None:
+        converted = insert_quantizers(model)
+        provenance = apply_config(model, cfg)
+        set_quant_state(model, QuantState(cfg, provenance))
+        enabled = sum(q.is_enabled for _, q in iter_quantizers(model))
+        logger.info(
+            "inserted quantizers into %d module(s); %d quantizer(s) enabled; calibrating with %s",
+            len(converted), enabled, cfg.algorithm_name,
+        )  # fmt: skip
+    else:
+        logger.info("model already quantized with this config: calibrating again")
+    calibrate(model, cfg.algorithm, forward_loop)
+    for hook in _POST_QUANTIZE_HOOKS:
+        hook(model)
+    return model
+
+
+def set_quantizer_by_cfg(model: nn.Module, quant_cfg: Any) -> Provenance:
+    """Apply rules (a ``quant_cfg`` list / dict, or a whole config) to the quantizers already in ``model``
+    without calibrating; returns which rule set what."""
+    config = quant_cfg if isinstance(quant_cfg, QuantizeConfig) else None
+    if config is None:
+        raw = (
+            quant_cfg
+            if isinstance(quant_cfg, Mapping) and "quant_cfg" in quant_cfg
+            else {"quant_cfg": quant_cfg}
+        )
+        config = QuantizeConfig.from_dict({"quant_cfg": raw["quant_cfg"], "algorithm": None})
+    if not any(True for _ in iter_quantizers(model)):
+        raise ValueError("the model has no quantizers: call mtq.quantize first")
+    provenance = apply_config(model, config)
+    state = quant_state(model)
+    if state is not None:
+        state.config = state.config.with_rules(*config.quant_cfg)
+        for name, steps in provenance.rules.items():
+            state.provenance.rules.setdefault(name, []).extend(steps)
+    return provenance
+
+
+def need_calibration(config: QuantizeConfig | Mapping[str, Any] | str) -> bool:
+    """Whether quantizing with ``config`` needs calibration data: a static (amax-based) quantizer is
+    enabled, or the algorithm is one that searches on data."""
+    cfg = resolve_config(config)
+    if cfg.algorithm_name not in (None, "max"):
+        return True
+    for rule in cfg.quant_cfg:
+        for attrs in rule.attributes() or ():
+            if attrs.enable and attrs.spec().needs_amax:
+                return True
+    return False
+
+
+def _set_enabled(model: nn.Module, pattern: str, enable: bool) -> int:
+    count = 0
+    for name, q in iter_quantizers(model):
+        if fnmatch.fnmatchcase(match_name(name), pattern) or fnmatch.fnmatchcase(name, pattern):
+            q.enable() if enable else q.disable()
+            count += 1
+    if count == 0:
+        logger.warning("pattern %r matched no quantizer", pattern)
+    return count
+
+
+def disable_quantizer(model: nn.Module, pattern: str) -> int:
+    """Disable every quantizer whose name matches ``pattern`` (fnmatch); returns how many."""
+    return _set_enabled(model, pattern, False)
+
+
+def enable_quantizer(model: nn.Module, pattern: str) -> int:
+    """Enable every quantizer whose name matches ``pattern`` (fnmatch); returns how many."""
+    return _set_enabled(model, pattern, True)
+
+
+def fold_weight(model: nn.Module) -> nn.Module:
+    """Replace each quantized weight by its fake-quantized value and disable its weight quantizer."""
+    for module in model.modules():
+        if isinstance(module, QuantModule):
+            module.fold_weight()
+    return model
+
+
+def explain(model: nn.Module, pattern: str = "*") -> str:
+    """One line per quantizer matching ``pattern``: its state and the rules that set it, in order."""
+    state = quant_state(model)
+    lines = []
+    for name, q in iter_quantizers(model):
+        if not fnmatch.fnmatchcase(name, pattern):
+            continue
+        why = state.provenance.explain(name) if state else "unknown (not quantized through mtq.quantize)"
+        lines.append(f"{name}: {q.extra_repr()} <- {why}")
+    return "\n".join(lines)
+
+
+def print_quant_summary(model: nn.Module) -> str:
+    """Log (INFO) and return a table of every quantizer: state, format, amax, and the last rule that
+    configured it."""
+    state = quant_state(model)
+    rows = []
+    enabled = 0
+    for name, q in iter_quantizers(model):
+        enabled += q.is_enabled
+        steps = state.provenance.rules.get(name, []) if state else []
+        last = f"#{steps[-1][0]} {steps[-1][1].split(':')[0]}" if steps else "-"
+        rows.append(f"{name:<60} {q.extra_repr():<48} {last}")
+    header = f"{len(rows)} quantizers, {enabled} enabled"
+    text = "\n".join([header, *rows])
+    logger.info("%s", text)
+    return text

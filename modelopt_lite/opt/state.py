@@ -80,12 +80,15 @@ def _owner(quantizer_name: str, modules: dict[str, Any]) -> str:
 
 
 def _check_modules(model: nn.Module, state: dict[str, Any]) -> None:
+    """Check, in the saved quantizer order, that each quantizer's module exists and fits."""
     modules = state["modules"]
-    first_q = {}
+    order: dict[str, str] = {}
     for qname in state["quantizers"]:
-        first_q.setdefault(_owner(qname, modules), qname)
-    for name, info in modules.items():
-        label = f"quantizer {first_q.get(name, name)!r}"
+        order.setdefault(_owner(qname, modules), qname)
+    for name in modules:
+        order.setdefault(name, name)
+    for name, qname in order.items():
+        info, label = modules[name], f"quantizer {qname!r}"
         try:
             module = model.get_submodule(name) if name else model
         except AttributeError:

@@ -41,6 +41,18 @@ def insert_quantizers(model: nn.Module) -> list[str]:
             converted.append(name)
         elif (base := QUANT_MODULES.shadowed_subclasses(type(module))) is not None:
             shadowed[name] = f"{type(module).__qualname__} (overrides {base.__name__}.forward)"
+    unwrapped_experts = [
+        name
+        for name, module in model.named_modules()
+        if not isinstance(module, QuantModule) and any(p.ndim == 3 for p in module.parameters(recurse=False))
+    ]
+    if unwrapped_experts:
+        logger.warning(
+            "%d module(s) hold 3-D (fused experts) weights and have no quantizer wrapper, so they stay "
+            "in high precision: %s",
+            len(unwrapped_experts),
+            ", ".join(unwrapped_experts[:8]),
+        )
     if shadowed:
         logger.warning(
             "%d module(s) subclass a quantizable class but override its forward and stay unquantized; "

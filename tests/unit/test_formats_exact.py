@@ -140,10 +140,30 @@ def test_fp8_2d_block(num_bits):
 
 
 def test_e2m1_thresholds_and_ties():
-    a = torch.tensor([0.0, 0.25, 0.2500001, 0.75, 0.7499999, 1.25, 1.2500001, 1.75, 1.7499999,
-                      2.5, 2.5000002, 3.5, 3.4999998, 5.0, 5.0000005, 7.0, 100.0])  # fmt: skip
-    expect = torch.tensor([0.0, 0.0, 0.5, 1.0, 0.5, 1.0, 1.5, 2.0, 1.5,
-                           2.0, 3.0, 4.0, 3.0, 4.0, 6.0, 6.0, 6.0])  # fmt: skip
+    a = torch.tensor(
+        [
+            0.0,
+            0.25,
+            0.2500001,
+            0.75,
+            0.7499999,
+            1.25,
+            1.2500001,
+            1.75,
+            1.7499999,
+            2.5,
+            2.5000002,
+            3.5,
+            3.4999998,
+            5.0,
+            5.0000005,
+            7.0,
+            100.0,
+        ]
+    )
+    expect = torch.tensor(
+        [0.0, 0.0, 0.5, 1.0, 0.5, 1.0, 1.5, 2.0, 1.5, 2.0, 3.0, 4.0, 3.0, 4.0, 6.0, 6.0, 6.0]
+    )
     assert torch.equal(e2m1_round(a), expect)
     dense = torch.linspace(0, 7, 70001)
     assert torch.equal(e2m1_round(dense), torch.from_numpy(E.round_to_table(dense.numpy(), *E.E2M1)))

@@ -25,7 +25,7 @@ SPECS = {
     "mxfp8": (resolve_format((4, 3), block_sizes={-1: 32, "type": "dynamic", "scale_bits": (8, 0)}), False),
     "mxfp4": (resolve_format((2, 1), block_sizes={-1: 32, "type": "dynamic", "scale_bits": (8, 0)}), False),
     "mxint8": (resolve_format(8, block_sizes={-1: 32, "type": "dynamic", "scale_bits": (8, 0)}), False),
-}  # fmt: skip
+}
 
 tensors = st.builds(
     lambda seed, rows, scale: torch.randn(rows, 32, generator=torch.Generator().manual_seed(seed)) * scale,

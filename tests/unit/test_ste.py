@@ -46,9 +46,11 @@ def test_clipped_gradient_per_channel_and_nvfp4():
 
     y = torch.cat([torch.full((1, 16), 0.5), torch.full((1, 16), 4.0)]).requires_grad_()
     n = TensorQuantizer(
-        "n", num_bits=(2, 1), block_sizes={-1: 16, "type": "dynamic", "scale_bits": (4, 3)},
+        "n",
+        num_bits=(2, 1),
+        block_sizes={-1: 16, "type": "dynamic", "scale_bits": (4, 3)},
         backward="clipped",
-    )  # fmt: skip
+    )
     n.amax = 1.0
     n(y).backward(torch.ones(2, 16))
     assert torch.equal(y.grad, torch.cat([torch.ones(1, 16), torch.zeros(1, 16)]))

@@ -1,0 +1,88 @@
+"""Tiny transformers models built from configs in code (no hub access)."""
+
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
+
+VOCAB = 128
+
+
+def tiny_llama(layers: int = 2, hidden: int = 64, attn: str = "sdpa", seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        attn_implementation=attn,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def tiny_qwen3(seed: int = 0, attn: str = "sdpa"):
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        attn_implementation=attn,
+    )
+    return Qwen3ForCausalLM(cfg).eval()
+
+
+def tiny_qwen3_moe(seed: int = 0, attn: str = "sdpa"):
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        attn_implementation=attn,
+    )
+    return Qwen3MoeForCausalLM(cfg).eval()
+
+
+def tiny_gpt2(seed: int = 0, attn: str = "sdpa"):
+    torch.manual_seed(seed)
+    cfg = GPT2Config(
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        vocab_size=VOCAB,
+        n_positions=64,
+        bos_token_id=0,
+        eos_token_id=0,
+        attn_implementation=attn,
+    )
+    return GPT2LMHeadModel(cfg).eval()
+
+
+BUILDERS = {"llama": tiny_llama, "qwen3": tiny_qwen3, "gpt2": tiny_gpt2}
+
+
+def batches(n: int = 2, batch: int = 2, seq: int = 16, seed: int = 1) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (batch, seq), generator=g) for _ in range(n)]

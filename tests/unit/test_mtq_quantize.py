@@ -1,0 +1,278 @@
+"""mtq.quantize on tiny Llama, Qwen3 and GPT-2 models built in code."""
+
+import pytest
+import torch
+from torch import nn
+
+import modelopt_lite.quantization as mtq
+from modelopt_lite.nn import QuantModule, SequentialQuantizer, TensorQuantizer
+
+from ._models import BUILDERS, batches, tiny_gpt2, tiny_llama, tiny_qwen3_moe
+
+PRESETS = sorted(mtq.PRESETS)
+AVAILABLE = {"max", None}
+
+
+def _config(name):
+    cfg = mtq.get_preset(name)
+    algo = cfg.get("algorithm")
+    algo = algo["method"] if isinstance(algo, dict) else algo
+    return cfg, algo
+
+
+def _enabled(model):
+    return {n: q for n, q in mtq.iter_quantizers(model) if q.is_enabled}
+
+
+@pytest.mark.parametrize("arch", sorted(BUILDERS))
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_preset_quantizes_calibrates_and_trains(arch, preset):
+    model = BUILDERS[arch]()
+    data = batches()
+    cfg, algo = _config(preset)
+    if algo not in AVAILABLE:  # algorithms of the next release: loud, never a silent fallback to max
+        with pytest.raises(NotImplementedError, match=repr(algo)):
+            mtq.quantize(BUILDERS[arch](), cfg, data)
+        cfg["algorithm"] = "max"
+    mtq.quantize(model, cfg, data)
+    enabled = _enabled(model)
+    weights = [n for n in enabled if n.endswith("weight_quantizer")]
+    assert weights, "no weight quantizer enabled"
+    assert not any("lm_head" in n for n in enabled)
+    assert not any("bmm" in n for n in enabled)
+    n_linear = sum(isinstance(m, QuantModule) and hasattr(m, "weight_quantizer") for m in model.modules())
+    assert len(weights) == n_linear - 1  # every linear but lm_head
+    inputs_on = "*input_quantizer" in str([r for r in cfg["quant_cfg"] if "cfg" in r])
+    assert any(n.endswith("input_quantizer") for n in enabled) == inputs_on
+    summary = mtq.print_quant_summary(model)
+    assert f"{len(enabled)} enabled" in summary
+    model.train()
+    ids = data[0]
+    out = model(ids, labels=ids)
+    assert torch.isfinite(out.loss)
+    out.loss.backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads
+    assert all(torch.isfinite(g).all() for g in grads)
+    quantized = next(
+        m for m in model.modules() if isinstance(m, QuantModule) and hasattr(m, "weight_quantizer")
+    )
+    assert quantized.weight.grad is not None
+    assert quantized.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("arch", sorted(BUILDERS))
+def test_disabled_quantizers_give_bit_identical_outputs(arch):
+    reference = BUILDERS[arch]()
+    model = BUILDERS[arch]()
+    ids = batches()[0]
+    expected = reference(ids).logits
+    mtq.quantize(model, mtq.with_kv_cache(mtq.NVFP4_DEFAULT_CFG, "FP8_KV_CFG"), batches())
+    assert not torch.equal(model(ids).logits, expected)
+    for name, _ in mtq.iter_quantizers(model):
+        mtq.disable_quantizer(model, name)
+    assert torch.equal(model(ids).logits, expected)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_kv_cache_quantizers_run_inside_attention(attn):
+    model = tiny_llama(attn=attn)
+    ids = batches()[0]
+    base = model(ids).logits
+    mtq.quantize(
+        model,
+        mtq.with_kv_cache({"quant_cfg": [{"quantizer_name": "*", "enable": False}]}, "FP8_KV_CFG"),
+        batches(),
+    )
+    assert model.config._attn_implementation == f"modelopt_lite_{attn}"
+    attn_mod = model.model.layers[0].self_attn
+    assert attn_mod.k_bmm_quantizer.amax.numel() == 1
+    assert attn_mod.v_bmm_quantizer.amax > 0
+    quantized = model(ids).logits
+    assert not torch.equal(quantized, base)
+    assert (quantized - base).abs().max() < 0.05
+    model.set_attn_implementation(attn)  # switching away would skip the KV quantizers: refuse loudly
+    with pytest.raises(RuntimeError, match="bypass"):
+        model(ids)
+
+
+def test_kv_quantization_matches_between_sdpa_and_eager():
+    outs = []
+    for attn in ("sdpa", "eager"):
+        model = tiny_llama(attn=attn)
+        mtq.quantize(model, mtq.with_kv_cache(mtq.FP8_DEFAULT_CFG, "FP8_KV_CFG"), batches())
+        outs.append((model(batches()[0]).logits, model.model.layers[1].self_attn.k_bmm_quantizer.amax))
+    assert torch.allclose(outs[0][0], outs[1][0], atol=1e-4)
+    assert torch.allclose(outs[0][1], outs[1][1], rtol=1e-5)
+
+
+def test_kv_configs_work_on_qwen3_moe_attention():
+    model = tiny_qwen3_moe()
+    mtq.quantize(model, mtq.with_kv_cache(mtq.FP8_DEFAULT_CFG, "NVFP4_KV_CFG"), batches())
+    assert model.model.layers[0].self_attn.v_bmm_quantizer.spec.name == "nvfp4"
+    assert torch.isfinite(model(batches()[0]).logits).all()
+
+
+def test_conv1d_quantizes_like_a_linear_with_the_transposed_weight():
+    model = tiny_gpt2()
+    mtq.quantize(model, mtq.INT4_BLOCKWISE_WEIGHT_ONLY_CFG)
+    conv = model.transformer.h[0].attn.c_attn
+    w = conv.weight.detach()  # (in, out)
+    lin = nn.Linear(w.shape[0], w.shape[1])
+    lin.weight.data = w.t().contiguous()
+    expected = TensorQuantizer(num_bits=4, block_sizes={-1: 128}).calibrate(lin.weight)(lin.weight)
+    assert torch.equal(conv.quantized_weight(), expected.t())
+    assert conv.weight_quantizer.amax.shape[0] == w.shape[1] * ((w.shape[0] + 127) // 128)
+
+
+def test_w4a8_weight_quantizer_is_sequential():
+    model = tiny_llama()
+    cfg = mtq.get_preset("W4A8_AWQ_BETA_CFG") | {"algorithm": "max"}
+    mtq.quantize(model, cfg, batches())
+    wq = model.model.layers[0].mlp.up_proj.weight_quantizer
+    assert isinstance(wq, SequentialQuantizer)
+    assert [q.spec.name for q in wq] == ["int4", "fp8_e4m3"]
+    w = model.model.layers[0].mlp.up_proj.weight
+    assert torch.equal(wq(w), wq[1](wq[0](w)))
+
+
+def test_explain_and_unmatched_rule_warning(lib_caplog):
+    model = tiny_llama()
+    cfg = mtq.get_preset("FP8_DEFAULT_CFG")
+    cfg["quant_cfg"].append({"quantizer_name": "*no_such_layer*", "enable": False})
+    mtq.quantize(model, cfg, batches())
+    warnings = [r.getMessage() for r in lib_caplog.records if r.levelname == "WARNING"]
+    assert any("*no_such_layer*" in w for w in warnings)
+    assert not any("vision_tower" in w for w in warnings)  # standard exclusions may match nothing
+    text = mtq.explain(model, "lm_head.weight_quantizer")
+    assert "#0 '*': enable=False" in text
+    assert "#1 '*weight_quantizer'" in text
+    assert "'*lm_head*'" in text
+
+
+def test_weights_calibrate_from_weights_not_from_data():
+    a, b = tiny_llama(), tiny_llama()
+    mtq.quantize(a, mtq.FP8_DEFAULT_CFG, batches(seed=1))
+    mtq.quantize(b, mtq.FP8_DEFAULT_CFG, batches(seed=2))
+    qa, qb = a.model.layers[0].mlp.down_proj, b.model.layers[0].mlp.down_proj
+    assert torch.equal(qa.weight_quantizer.amax, qb.weight_quantizer.amax)
+    assert torch.equal(qa.weight_quantizer.amax, qa.weight.abs().amax())
+    assert not torch.equal(qa.input_quantizer.amax, qb.input_quantizer.amax)
+
+
+def test_forward_loop_may_be_a_dataloader_of_dicts():
+    model = tiny_llama()
+    data = [{"input_ids": ids, "attention_mask": torch.ones_like(ids)} for ids in batches()]
+    loader = torch.utils.data.DataLoader(data, batch_size=None)
+    mtq.quantize(model, mtq.INT8_DEFAULT_CFG, loader)
+    mtq.check_calibrated(model)
+
+
+def test_fold_weight_keeps_outputs():
+    model = tiny_llama()
+    mtq.quantize(model, mtq.INT4_BLOCKWISE_WEIGHT_ONLY_CFG)
+    ids = batches()[0]
+    before = model(ids).logits
+    mtq.fold_weight(model)
+    assert not model.model.layers[0].mlp.up_proj.weight_quantizer.is_enabled
+    assert torch.equal(model(ids).logits, before)
+
+
+def test_user_registered_wrapper_and_overridden_forward_warning(lib_caplog):
+    class Scale(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(4))
+
+        def forward(self, x):
+            return x * self.weight
+
+    class QuantScale(QuantModule):
+        def _setup(self):
+            self.input_quantizer = TensorQuantizer()
+
+        def forward(self, x):
+            return super().forward(self.input_quantizer(x))
+
+    class MyLinear(nn.Linear):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    mtq.register(Scale, QuantScale)
+    try:
+        model = nn.Sequential(Scale(), MyLinear(4, 4))
+        mtq.quantize(
+            model,
+            {"quant_cfg": [{"quantizer_name": "*input_quantizer", "cfg": {"num_bits": 8}}]},
+            [torch.randn(2, 4)],
+        )
+        assert model[0].input_quantizer.amax is not None
+        assert any("MyLinear" in r.getMessage() for r in lib_caplog.records if r.levelname == "WARNING")
+        with pytest.raises(ValueError, match="already has the wrapper"):
+            mtq.register(Scale, QuantScale)
+    finally:
+        mtq.unregister(Scale)
+
+
+# ----------------------------------------------------------------------------- bad input
+def test_nothing_to_quantize():
+    with pytest.raises(ValueError, match="no module that modelopt_lite can quantize"):
+        mtq.quantize(nn.Sequential(nn.Embedding(4, 4), nn.ReLU()), mtq.INT8_DEFAULT_CFG)
+
+
+def test_quantizing_twice_with_another_config_raises():
+    model = tiny_llama()
+    mtq.quantize(model, mtq.INT8_DEFAULT_CFG, batches())
+    mtq.quantize(model, mtq.INT8_DEFAULT_CFG, batches())  # same config: calibrates again
+    with pytest.raises(ValueError, match="already quantized with a different config"):
+        mtq.quantize(model, mtq.FP8_DEFAULT_CFG, batches())
+
+
+def test_forward_loop_that_raises_leaves_the_model_consistent():
+    model = tiny_llama()
+    ids = batches()[0]
+
+    def broken(m):
+        m(ids)
+        raise KeyError("data ran out")
+
+    with pytest.raises(KeyError, match="data ran out"):
+        mtq.quantize(model, mtq.INT8_DEFAULT_CFG, broken)
+    for _, q in mtq.iter_quantizers(model):
+        assert q._quant_enabled
+        assert not q._calib_enabled
+        assert q.calibrator.num_batches == 0
+    assert model.model.layers[0].mlp.up_proj.input_quantizer.amax is None
+    assert not model.training  # eval mode restored as it was
+    mtq.quantize(model, mtq.INT8_DEFAULT_CFG, [ids])  # and a retry works
+    mtq.check_calibrated(model)
+
+
+def test_nan_activations_name_the_quantizer():
+    model = tiny_llama()
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight[0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.down_proj\.input_quantizer: .*NaN"):
+        mtq.quantize(model, mtq.INT8_DEFAULT_CFG, batches())
+
+
+def test_activation_quantizers_need_data_and_must_receive_it():
+    with pytest.raises(ValueError, match="need calibration data"):
+        mtq.quantize(tiny_llama(), mtq.FP8_DEFAULT_CFG)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    cfg = {
+        "quant_cfg": [
+            {"quantizer_name": "*", "enable": False},
+            {"quantizer_name": "*input_quantizer", "cfg": {"num_bits": 8}},
+        ]
+    }
+    with pytest.raises(RuntimeError, match=r"received no data.*1\.input_quantizer"):
+        mtq.quantize(model, cfg, lambda m: m[0](torch.randn(2, 4)))
+
+
+def test_uncalibrated_quantizer_is_reported_by_name():
+    model = tiny_llama()
+    mtq.quantize(model, mtq.INT4_BLOCKWISE_WEIGHT_ONLY_CFG)
+    model.model.layers[0].mlp.up_proj.weight_quantizer.amax = None
+    with pytest.raises(RuntimeError, match=r"layers\.0\.mlp\.up_proj\.weight_quantizer \(no amax\)"):
+        mtq.check_calibrated(model)

@@ -19,6 +19,22 @@ q = TensorQuantizer("w", num_bits=(2, 1), block_sizes={-1: 16, "type": "dynamic"
 w = torch.randn(32, 64)
 out = q.calibrate(w)(w)
 assert out.shape == w.shape and not torch.equal(out, w)
+
+# packaged YAML recipes are in the wheel; quantize -> save -> restore works from the installed package
+import tempfile
+from transformers import LlamaConfig, LlamaForCausalLM
+import modelopt_lite.opt as mto
+import modelopt_lite.quantization as mtq
+
+assert "general/ptq/nvfp4_default-kv_fp8" in mtq.list_recipes(), mtq.list_recipes()
+cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=1, vocab_size=64)
+torch.manual_seed(0)
+model = LlamaForCausalLM(cfg).eval()
+ids = torch.randint(0, 64, (1, 8))
+mtq.quantize(model, "general/ptq/nvfp4_default-kv_fp8", [ids])
+with tempfile.TemporaryDirectory() as tmp:
+    mto.restore(LlamaForCausalLM(cfg).eval(), mto.save(model, tmp + "/q.safetensors"))
 print(f"wheel smoke test: modelopt_lite {modelopt_lite.__version__} from {modelopt_lite.__file__}: ok")
 PY
 rm -rf "$work"

@@ -9,6 +9,7 @@ finite, positive ``amax``; otherwise :func:`check_calibrated` raises naming each
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -52,7 +53,10 @@ def calibrate(
         options = {k: v for k, v in algorithm.items() if k != "method"}
         algorithm = algorithm.get("method")
     if algorithm is None:
-        check_calibrated(model)
+        try:
+            check_calibrated(model)
+        except RuntimeError as err:
+            raise RuntimeError(f"{err}. The config's algorithm is None (no calibration): use 'max'") from None
         return model
     if algorithm not in _ALGORITHMS:
         if algorithm in ALGORITHMS:
@@ -158,7 +162,13 @@ def run_forward_loop(model: nn.Module, forward_loop: ForwardLoop, desc: str = "f
         )
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     total = len(forward_loop) if hasattr(forward_loop, "__len__") else None
-    for batch in tqdm(forward_loop, desc=desc, total=total, disable=get_rank() != 0, leave=False):
+    for batch in tqdm(
+        forward_loop,
+        desc=desc,
+        total=total,
+        disable=get_rank() != 0 or not logger.isEnabledFor(logging.INFO),
+        leave=False,
+    ):
         if isinstance(batch, Mapping):
             model(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()})
         elif isinstance(batch, (tuple, list)):

@@ -90,7 +90,8 @@ def get_preset(name: str) -> dict[str, Any]:
 
 def with_kv_cache(config: dict[str, Any], kv_config: dict[str, Any] | str) -> dict[str, Any]:
     """A copy of the model config ``config`` with the KV-cache rules of ``kv_config`` (a KV preset dict or
-    name) appended, so they win over the model config's ``"*"`` rule."""
+    name) appended, so they win over the model config's ``"*"`` rule. A model config without calibration
+    (``"algorithm": None``, the MX presets) gets ``"max"`` when the KV format needs a calibrated amax."""
     kv = get_preset(kv_config) if isinstance(kv_config, str) else kv_config
     model_cfg = QuantizeConfig.from_dict(config)
     kv_cfg = QuantizeConfig.from_dict({"quant_cfg": kv["quant_cfg"]})
@@ -99,4 +100,8 @@ def with_kv_cache(config: dict[str, Any], kv_config: dict[str, Any] | str) -> di
             raise ValueError(
                 f"{rule.quantizer_name!r} is not a KV-cache rule (expected *_bmm_quantizer patterns)"
             )
-    return model_cfg.with_rules(*kv_cfg.quant_cfg).to_dict()
+    merged = model_cfg.with_rules(*kv_cfg.quant_cfg)
+    if merged.algorithm is None and any(a.enable and a.spec().needs_amax for r in kv_cfg.quant_cfg
+                                        for a in r.attributes() or ()):  # fmt: skip
+        merged = merged.with_rules(algorithm="max")  # MX presets calibrate nothing; a static KV format must
+    return merged.to_dict()

@@ -113,6 +113,12 @@ def test_with_kv_cache_appends_kv_rules_last():
         mtq.with_kv_cache(mtq.NVFP4_DEFAULT_CFG, {"quant_cfg": [{"quantizer_name": "*", "enable": False}]})
 
 
+def test_kv_cache_on_a_preset_without_calibration_gets_max():
+    assert mtq.MXFP8_DEFAULT_CFG["algorithm"] is None
+    assert mtq.with_kv_cache(mtq.MXFP8_DEFAULT_CFG, "FP8_KV_CFG")["algorithm"] == "max"
+    assert mtq.with_kv_cache(mtq.INT4_AWQ_CFG, "FP8_KV_CFG")["algorithm"] == mtq.INT4_AWQ_CFG["algorithm"]
+
+
 def test_need_calibration():
     assert mtq.need_calibration(mtq.FP8_DEFAULT_CFG)
     assert mtq.need_calibration("INT4_AWQ_CFG")  # a search algorithm

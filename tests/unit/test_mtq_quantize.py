@@ -276,3 +276,15 @@ def test_uncalibrated_quantizer_is_reported_by_name():
     model.model.layers[0].mlp.up_proj.weight_quantizer.amax = None
     with pytest.raises(RuntimeError, match=r"layers\.0\.mlp\.up_proj\.weight_quantizer \(no amax\)"):
         mtq.check_calibrated(model)
+
+
+def test_casting_the_model_keeps_amax_in_float32():
+    model = tiny_llama()
+    mtq.quantize(model, mtq.INT8_DEFAULT_CFG, batches())
+    q = model.model.layers[0].mlp.up_proj.input_quantizer
+    amax = q.amax.clone()
+    model.to(torch.bfloat16)
+    assert model.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
+    assert q.amax.dtype == torch.float32
+    assert torch.equal(q.amax, amax)
+    assert model(batches()[0]).logits.dtype == torch.bfloat16

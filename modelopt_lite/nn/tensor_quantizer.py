@@ -208,7 +208,7 @@ class TensorQuantizer(nn.Module):
 
     # ----------------------------------------------------------------------- forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self._attrs.enable:
+        if not self._attrs.enable or x.numel() == 0:
             return x
         if self._pre_quant_scale is not None:
             x = x * self._pre_quant_scale.to(x.dtype)

@@ -18,6 +18,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..logging import get_logger, get_rank
+from ..moe import coverage_report, reset_coverage
 from ..nn import QuantModule, SequentialQuantizer, TensorQuantizer, iter_quantizers
 from .config import ALGORITHMS
 
@@ -128,8 +129,10 @@ def _collect_activations(
             q.calibrator.reset()
             q.enable_calib()
         model.eval()
+        reset_coverage(model)
         with torch.no_grad():
             run_forward_loop(model, forward_loop, desc="calibration")
+        _log_expert_coverage(model)
         empty = [q.name for q in activations if q.calibrator.num_batches == 0]
         if empty:
             raise RuntimeError(
@@ -146,6 +149,19 @@ def _collect_activations(
             q.calibrator.reset()
         for module, mode in training:
             module.training = mode
+
+
+def _log_expert_coverage(model: nn.Module) -> None:
+    report = coverage_report(model)
+    idle = {name: r["experts_without_tokens"] for name, r in report.items() if r["experts_without_tokens"]}
+    if idle:
+        logger.info(
+            "%d expert(s) in %d module(s) received no calibration tokens (their weights are calibrated from "
+            "the weights): %s",
+            sum(len(v) for v in idle.values()),
+            len(idle),
+            "; ".join(f"{k}: {v}" for k, v in list(idle.items())[:4]),
+        )
 
 
 def run_forward_loop(model: nn.Module, forward_loop: ForwardLoop, desc: str = "forward") -> None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ..logging import get_logger
+from ..moe import QuantExperts, experts_implementation_name
 from ..nn import QUANT_MODULES, QuantModule, SequentialQuantizer, TensorQuantizer, iter_quantizers
 from ..nn.kv_attention import QuantAttention, kv_attention_name
 from .config import QuantizeConfig, QuantRule
@@ -29,9 +30,10 @@ def match_name(name: str) -> str:
     return _PER_EXPERT.sub(r"\1", name)
 
 
-def insert_quantizers(model: nn.Module) -> list[str]:
+def insert_quantizers(model: nn.Module, experts_implementation: str | None = None) -> list[str]:
     """Convert every module with a registered wrapper; return the converted module names. Quantizers are
-    named by their dotted path. Raises when nothing in ``model`` can be quantized."""
+    named by their dotted path. Raises when nothing in ``model`` can be quantized. Fused experts run on our
+    ``grouped_mm`` path unless ``experts_implementation`` (or the model's own choice) is ``"eager"``."""
     converted: list[str] = []
     shadowed: dict[str, str] = {}
     for name, module in list(model.named_modules()):
@@ -42,16 +44,16 @@ def insert_quantizers(model: nn.Module) -> list[str]:
         elif (base := QUANT_MODULES.shadowed_subclasses(type(module))) is not None:
             shadowed[name] = f"{type(module).__qualname__} (overrides {base.__name__}.forward)"
     unwrapped_experts = [
-        name
+        f"{name} ({type(module).__qualname__})"
         for name, module in model.named_modules()
         if not isinstance(module, QuantModule) and any(p.ndim == 3 for p in module.parameters(recurse=False))
     ]
     if unwrapped_experts:
-        logger.warning(
-            "%d module(s) hold 3-D (fused experts) weights and have no quantizer wrapper, so they stay "
-            "in high precision: %s",
-            len(unwrapped_experts),
-            ", ".join(unwrapped_experts[:8]),
+        raise ValueError(
+            f"{len(unwrapped_experts)} module(s) hold fused (3-D) expert weights in a class modelopt_lite "
+            f"has no wrapper for, so they would stay unquantized: {', '.join(unwrapped_experts[:4])}. "
+            "Supported: classes using transformers' @use_experts_implementation; register a wrapper with "
+            "mtq.register"
         )
     if shadowed:
         logger.warning(
@@ -68,7 +70,31 @@ def insert_quantizers(model: nn.Module) -> list[str]:
     name_quantizers(model)
     if any(isinstance(m, QuantAttention) for m in model.modules()):
         _use_kv_attention(model)
+    if any(isinstance(m, QuantExperts) for m in model.modules()):
+        use_experts_implementation(model, experts_implementation)
     return converted
+
+
+def use_experts_implementation(model: nn.Module, choice: str | None = None) -> str:
+    """Switch the model's fused experts to our implementation for ``choice`` (default: the model's own
+    choice); other backends (``batched_mm``, hub kernels) move to ``grouped_mm`` with an INFO log."""
+    if choice not in (None, "eager", "grouped_mm"):
+        raise ValueError(f"experts_implementation={choice!r} (allowed: 'eager', 'grouped_mm', or None)")
+    config = getattr(model, "config", None)
+    current = getattr(config, "_experts_implementation", None)
+    target = experts_implementation_name(choice or current)
+    if choice is None and current not in (None, "eager", "grouped_mm", target):
+        logger.info("experts implementation %r has no quantized path: running experts on grouped_mm", current)
+    if target != current:
+        if hasattr(model, "set_experts_implementation"):
+            model.set_experts_implementation(target)
+        elif config is not None:
+            config._experts_implementation = target
+        else:
+            for module in model.modules():
+                if isinstance(module, QuantExperts):
+                    module.config._experts_implementation = target
+    return target
 
 
 def name_quantizers(model: nn.Module) -> None:

@@ -11,10 +11,11 @@ from typing import Any
 from torch import nn
 
 from ..logging import get_logger
+from ..moe import unquantized_experts
 from ..nn import QuantModule, iter_quantizers
 from .calibrate import ForwardLoop, calibrate
 from .config import QuantizeConfig
-from .insertion import Provenance, apply_config, insert_quantizers, match_name
+from .insertion import Provenance, apply_config, insert_quantizers, match_name, use_experts_implementation
 from .presets import KV_PRESETS, PRESETS, get_preset
 from .recipes import list_recipes, load_recipe
 
@@ -88,10 +89,12 @@ def quantize(
     model: nn.Module,
     config: QuantizeConfig | Mapping[str, Any] | str | Path,
     forward_loop: ForwardLoop | None = None,
+    experts_implementation: str | None = None,
 ) -> nn.Module:
     """Insert quantizers into ``model`` (in place), apply ``config``, calibrate with its algorithm and
     return ``model``. ``forward_loop`` is a function of the model that runs calibration data through it, or
-    an iterable of batches; weight-only configs need none."""
+    an iterable of batches; weight-only configs need none. ``experts_implementation`` (``"grouped_mm"`` or
+    ``"eager"``) chooses how fused MoE experts run; by default the model's own choice is kept."""
     cfg = resolve_config(config)
     previous = quant_state(model)
     if previous is not None and previous.config != cfg:
@@ -100,9 +103,18 @@ def quantize(
             "or change attributes in place with mtq.set_quantizer_by_cfg(model, quant_cfg)"
         )
     if previous is None:
-        converted = insert_quantizers(model)
+        converted = insert_quantizers(model, experts_implementation)
         provenance = apply_config(model, cfg)
         set_quant_state(model, QuantState(cfg, provenance))
+        idle = unquantized_experts(model)
+        if idle and any(q.is_enabled for _, q in iter_quantizers(model)):
+            logger.warning(
+                "the config enables quantizers but none of %d fused experts module(s) (%s); their "
+                "patterns are *_weight_quantizer / *_input_quantizer (gate_up_proj_weight_quantizers.N match "
+                "'*weight_quantizer')",
+                len(idle),
+                ", ".join(idle[:4]),
+            )
         enabled = sum(q.is_enabled for _, q in iter_quantizers(model))
         logger.info(
             "inserted quantizers into %d module(s); %d quantizer(s) enabled; calibrating with %s",
@@ -110,6 +122,8 @@ def quantize(
         )  # fmt: skip
     else:
         logger.info("model already quantized with this config: calibrating again")
+        if experts_implementation is not None:
+            use_experts_implementation(model, experts_implementation)
     calibrate(model, cfg.algorithm, forward_loop)
     for hook in _POST_QUANTIZE_HOOKS:
         hook(model)

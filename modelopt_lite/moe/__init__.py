@@ -1,0 +1,15 @@
+"""Floor 2: fused MoE experts (transformers' ``ExpertsInterface`` seam): per-expert quantizers on the
+``grouped_mm`` and ``eager`` paths, and the token coverage report."""
+
+from .coverage import coverage_report, reset_coverage, unquantized_experts
+from .experts import EXPERTS_IMPLEMENTATIONS, QuantExperts, experts_implementation_name, is_seam_experts
+
+__all__ = [
+    "EXPERTS_IMPLEMENTATIONS",
+    "QuantExperts",
+    "coverage_report",
+    "experts_implementation_name",
+    "is_seam_experts",
+    "reset_coverage",
+    "unquantized_experts",
+]

@@ -1,0 +1,195 @@
+"""Fused MoE experts: per-expert weight quantizers and per-projection input quantizers, applied on the
+``grouped_mm`` path and on ``eager`` through transformers' ``ExpertsInterface`` (no patching).
+
+transformers 5 stores the experts of most MoE models as 3-D parameters in a class decorated with
+``@use_experts_implementation``; its forward dispatches on ``config._experts_implementation``. We register two
+implementations under our own names:
+
+* ``modelopt_lite_grouped_mm`` calls transformers' ``grouped_mm_experts_forward`` on a view of the module
+  whose weights are the fake-quantized ones and whose gate applies ``down_proj_input_quantizer`` to its
+  output;
+* ``modelopt_lite_eager`` is a loop over the experts that received tokens (the reference computation).
+
+Inserting quantizers switches the model to one of them (``grouped_mm`` unless the model or the caller chose
+``eager``). While weight quantizers only collect statistics, the stored weights are used as they are (no
+weight-sized copy). If the implementation is changed afterwards, an experts forward raises instead of
+bypassing its quantizers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.integrations.moe import ExpertsInterface, grouped_mm_experts_forward
+
+from ..nn import QUANT_MODULES, QuantModule, TensorQuantizer
+from ..nn.quant_module import Quantizer
+
+__all__ = ["EXPERTS_IMPLEMENTATIONS", "QuantExperts", "experts_implementation_name", "is_seam_experts"]
+
+EXPERTS_IMPLEMENTATIONS = {"grouped_mm": "modelopt_lite_grouped_mm", "eager": "modelopt_lite_eager"}
+
+
+def experts_implementation_name(choice: str | None) -> str:
+    """Our implementation for a transformers choice: ``eager`` stays eager, everything else runs grouped."""
+    if choice in EXPERTS_IMPLEMENTATIONS.values():
+        return choice  # type: ignore[return-value]
+    return EXPERTS_IMPLEMENTATIONS["eager" if choice == "eager" else "grouped_mm"]
+
+
+class _QuantizedView:
+    """Stands in for the experts module inside transformers' grouped forward: the weights are replaced,
+    the gate output goes through the down-projection input quantizer, everything else is the module's."""
+
+    def __init__(self, module: QuantExperts, weights: dict[str, torch.Tensor], gate: Callable[..., Any]):
+        self.__dict__.update(weights)
+        self._module = module
+        if module.has_gate:
+            self._apply_gate = gate
+        else:
+            self.act_fn = gate
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
+class QuantExperts(QuantModule):
+    """``<proj>_weight_quantizers.{i}`` (one per expert) and ``<proj>_input_quantizer`` for the first
+    projection (``gate_up_proj`` or ``up_proj``) and ``down_proj``. Weight quantizers see each expert's
+    weight as ``(out, in)`` whatever the storage layout (GPT-OSS stores ``(in, out)``)."""
+
+    num_experts: int
+    has_gate: bool
+    has_bias: bool
+    is_transposed: bool
+
+    def _setup(self) -> None:
+        if getattr(self, "_is_expert_parallel", False):
+            raise NotImplementedError(f"{type(self).__name__}: expert-parallel experts are not supported")
+        self._projections = ("gate_up_proj" if self.has_gate else "up_proj", "down_proj")
+        for proj in self._projections:
+            if getattr(self, proj, None) is None or getattr(self, proj).ndim != 3:
+                raise ValueError(f"{type(self).__name__}.{proj}: expected a 3-D (experts, ., .) weight")
+            setattr(self, f"{proj}_input_quantizer", TensorQuantizer(f"{proj}_input_quantizer"))
+            quantizers = [TensorQuantizer(f"{proj}_weight_quantizers.{i}") for i in range(self.num_experts)]
+            setattr(self, f"{proj}_weight_quantizers", nn.ModuleList(quantizers))
+        self.reset_coverage()
+
+    # ----------------------------------------------------------------------- weights
+    def expert_weight(self, proj: str, expert: int) -> torch.Tensor:
+        """Expert ``expert``'s weight of ``proj`` as ``(out, in)``."""
+        w = getattr(self, proj)[expert]
+        return w.t() if self.is_transposed else w
+
+    def weight_quantizer_pairs(self) -> Iterator[tuple[Quantizer, torch.Tensor]]:
+        for proj in self._projections:
+            for i, q in enumerate(getattr(self, f"{proj}_weight_quantizers")):
+                yield q, self.expert_weight(proj, i)
+
+    def quantized_weight(self, proj: str) -> torch.Tensor:
+        """The 3-D weight with each expert fake-quantized by its own quantizer; the parameter itself when no
+        quantizer of ``proj`` would change it (calibration, or all disabled)."""
+        quantizers = getattr(self, f"{proj}_weight_quantizers")
+        if not any(q.is_enabled and q._quant_enabled for q in quantizers):
+            return getattr(self, proj)
+        rows = [q(self.expert_weight(proj, i)) for i, q in enumerate(quantizers)]
+        if self.is_transposed:
+            rows = [r.t() for r in rows]
+        return torch.stack(rows)
+
+    @torch.no_grad()
+    def fold_weight(self) -> None:
+        for proj in self._projections:
+            quantizers = getattr(self, f"{proj}_weight_quantizers")
+            if any(q.is_enabled for q in quantizers):
+                getattr(self, proj).copy_(self.quantized_weight(proj))
+                for q in quantizers:
+                    q.disable()
+
+    # ----------------------------------------------------------------------- coverage
+    def reset_coverage(self) -> None:
+        self.tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.int64)
+        self.forward_calls = 0
+
+    def _count(self, top_k_index: torch.Tensor) -> None:
+        self.forward_calls += 1
+        with torch.no_grad():
+            ids = top_k_index.reshape(-1).to("cpu", torch.int64)
+            self.tokens_per_expert += torch.bincount(ids[ids < self.num_experts], minlength=self.num_experts)
+
+    # ----------------------------------------------------------------------- forward
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        impl = getattr(self.config, "_experts_implementation", None)
+        if impl not in EXPERTS_IMPLEMENTATIONS.values():
+            raise RuntimeError(
+                f"{type(self).__name__}: experts implementation is {impl!r}, which would bypass the "
+                "expert quantizers; use model.set_experts_implementation(name) with name in "
+                f"{sorted(EXPERTS_IMPLEMENTATIONS.values())}"
+            )
+        return super().forward(*args, **kwargs)
+
+    def _gate(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        inner = self._module_gate()
+        down_q = self.down_proj_input_quantizer
+        return lambda t: down_q(inner(t))
+
+    def _module_gate(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        return self._apply_gate if self.has_gate else self.act_fn
+
+    def _prepare(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor) -> torch.Tensor:
+        self._count(top_k_index)
+        return getattr(self, f"{self._projections[0]}_input_quantizer")(hidden_states)
+
+
+def _grouped_forward(module: QuantExperts, hidden_states, top_k_index, top_k_weights):
+    hidden_states = module._prepare(hidden_states, top_k_index)
+    weights = {p: module.quantized_weight(p) for p in module._projections}
+    view = _QuantizedView(module, weights, module._gate())
+    return grouped_mm_experts_forward(view, hidden_states, top_k_index, top_k_weights)
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, transposed: bool) -> torch.Tensor:
+    out = x @ w if transposed else F.linear(x, w)
+    return out if b is None else out + b
+
+
+def _eager_forward(module: QuantExperts, hidden_states, top_k_index, top_k_weights):
+    hidden_states = module._prepare(hidden_states, top_k_index)
+    first, down = module._projections
+    w_first, w_down = module.quantized_weight(first), module.quantized_weight(down)
+    gate = module._gate()
+    out = torch.zeros_like(hidden_states)
+    with torch.no_grad():  # rows per expert in the order transformers' eager forwards use (k, then token)
+        mask = F.one_hot(top_k_index, num_classes=module.num_experts + 1).permute(2, 1, 0)
+        hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()[:, 0].tolist()
+    for expert in hit:
+        if expert >= module.num_experts:
+            continue
+        k_pos, token_idx = torch.where(mask[expert])
+        b1 = getattr(module, f"{first}_bias")[expert] if module.has_bias else None
+        b2 = module.down_proj_bias[expert] if module.has_bias else None
+        h = gate(_linear(hidden_states[token_idx], w_first[expert], b1, module.is_transposed))
+        h = _linear(h, w_down[expert], b2, module.is_transposed)
+        if module.has_post_expert_norm:
+            h = module.post_expert_norm(h)
+        h = h * top_k_weights[token_idx, k_pos, None]
+        out.index_add_(0, token_idx, h.to(out.dtype))
+    return out
+
+
+# Definition-time registration under our own names (never replacing a name transformers defines).
+ExpertsInterface.register(EXPERTS_IMPLEMENTATIONS["grouped_mm"], _grouped_forward)
+ExpertsInterface.register(EXPERTS_IMPLEMENTATIONS["eager"], _eager_forward)
+
+
+def is_seam_experts(cls: type[nn.Module]) -> bool:
+    """Classes decorated with transformers' ``@use_experts_implementation``."""
+    forward = getattr(cls, "forward", None)
+    return getattr(forward, "__globals__", {}).get("__name__") == "transformers.integrations.moe"
+
+
+QUANT_MODULES.register_rule("transformers fused experts (ExpertsInterface)", is_seam_experts, QuantExperts)

@@ -110,6 +110,11 @@ class QuantExperts(QuantModule):
                 for q in quantizers:
                     q.disable()
 
+    def _teardown(self) -> None:
+        super()._teardown()
+        for name in ("_projections", "tokens_per_expert", "forward_calls"):
+            self.__dict__.pop(name, None)
+
     # ----------------------------------------------------------------------- coverage
     def reset_coverage(self) -> None:
         self.tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.int64)

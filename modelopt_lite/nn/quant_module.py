@@ -46,6 +46,14 @@ class QuantModule(nn.Module):
     def fold_weight(self) -> None:
         """Replace the weights by their fake-quantized values and disable the weight quantizers."""
 
+    def _teardown(self) -> None:
+        """Undo ``_setup``: remove every quantizer child (wrappers with more state extend this)."""
+        for name, child in list(self._modules.items()):
+            if isinstance(child, (TensorQuantizer, SequentialQuantizer)) or (
+                isinstance(child, nn.ModuleList) and name.endswith("_quantizers")
+            ):
+                delattr(self, name)
+
     def replace_quantizer(self, slot: str, quantizer: Quantizer) -> None:
         """Put ``quantizer`` into the attribute ``slot`` (a rule may make a quantizer sequential)."""
         old = getattr(self, slot)
@@ -145,6 +153,13 @@ class QuantModuleRegistry:
         module.__class__ = self._dynamic[key]
         module._setup()
         return True
+
+    @staticmethod
+    def revert(module: nn.Module) -> None:
+        """Turn a converted module back into its original class, without quantizers."""
+        if isinstance(module, QuantModule):
+            module._teardown()
+            module.__class__ = module.original_cls
 
     def __contains__(self, cls: type[nn.Module]) -> bool:
         return self.wrapper_for(cls) is not None

@@ -149,7 +149,7 @@ class TensorQuantizer(nn.Module):
         if value is None:
             self._pre_quant_scale = None
             return
-        value = torch.as_tensor(value).detach().clone()
+        value = torch.as_tensor(value).detach().to(torch.float32, copy=True)
         if not bool(torch.isfinite(value).all()):
             raise ValueError(f"{self.name}: pre_quant_scale has NaN / inf values")
         self._pre_quant_scale = value

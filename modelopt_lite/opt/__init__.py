@@ -6,10 +6,11 @@ mto.enable_huggingface_checkpointing()            # save_pretrained / from_pretr
 """
 
 from .checkpoint import load_state, restore, save
-from .hf import enable_huggingface_checkpointing
+from .hf import disable_huggingface_checkpointing, enable_huggingface_checkpointing
 from .state import modelopt_state, restore_from_modelopt_state
 
 __all__ = [
+    "disable_huggingface_checkpointing",
     "enable_huggingface_checkpointing",
     "load_state",
     "modelopt_state",

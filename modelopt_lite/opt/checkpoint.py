@@ -12,6 +12,7 @@ from safetensors.torch import load_model, save_model
 from torch import nn
 
 from ..logging import get_logger
+from ..quantization.insertion import remove_quantizers, snapshot_implementations
 from .hf import attach, checkpointing_enabled
 from .state import modelopt_state, restore_from_modelopt_state
 
@@ -41,14 +42,21 @@ def load_state(path: str | Path) -> dict[str, Any]:
 
 def restore(model: nn.Module, path: str | Path) -> nn.Module:
     """Re-create the quantizers saved by :func:`save` on a fresh ``model`` of the same architecture and
-    load weights and quantizer tensors. Returns ``model``."""
-    restore_from_modelopt_state(model, load_state(path))
+    load weights and quantizer tensors. Returns ``model``. If the file does not fit, the quantizers are
+    removed again and the error names what differs."""
+    state = load_state(path)
+    implementations = snapshot_implementations(model)
+    restore_from_modelopt_state(model, state)
+    try:
+        missing, unexpected = load_model(model, str(path), strict=False)
+        if missing or unexpected:
+            raise ValueError(
+                f"{path} does not match the model: missing {sorted(missing)[:5]}, "
+                f"unexpected {sorted(unexpected)[:5]}"
+            )
+    except BaseException:
+        remove_quantizers(model, implementations)
+        raise
     if checkpointing_enabled():
         attach(model)
-    missing, unexpected = load_model(model, str(path), strict=False)
-    if missing or unexpected:
-        raise ValueError(
-            f"{path} does not match the model: missing {sorted(missing)[:5]}, "
-            f"unexpected {sorted(unexpected)[:5]}"
-        )
     return model

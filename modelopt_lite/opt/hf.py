@@ -11,6 +11,7 @@ before the weights load. Call it before ``mtq.quantize`` and before ``from_pretr
 
 from __future__ import annotations
 
+import copy
 import weakref
 from typing import Any
 
@@ -25,10 +26,15 @@ from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from ..logging import get_logger
-from ..quantization.model_quant import add_post_quantize_hook
+from ..quantization.model_quant import add_post_quantize_hook, remove_post_quantize_hook
 from .state import modelopt_state, restore_from_modelopt_state
 
-__all__ = ["QUANT_METHOD", "ModeloptLiteStateConfig", "enable_huggingface_checkpointing"]
+__all__ = [
+    "QUANT_METHOD",
+    "ModeloptLiteStateConfig",
+    "disable_huggingface_checkpointing",
+    "enable_huggingface_checkpointing",
+]
 
 logger = get_logger(__name__)
 QUANT_METHOD = "modelopt_lite"
@@ -45,7 +51,23 @@ class ModeloptLiteStateConfig(QuantizationConfigMixin):
     def to_dict(self) -> dict[str, Any]:
         model = self._model() if self._model is not None else None
         state = modelopt_state(model) if model is not None else self.modelopt_lite_state
+        if state is None:
+            raise RuntimeError(
+                "quantization_config 'modelopt_lite' lost its model (garbage-collected) and holds no state; "
+                "save the quantized model itself"
+            )
         return {"quant_method": QUANT_METHOD, "modelopt_lite_state": state}
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ModeloptLiteStateConfig:
+        # A deep copy of the model copies its config: point the copy at the copied model (in ``memo``), or,
+        # when the config alone is copied, freeze the state as it is now.
+        model = self._model() if self._model is not None else None
+        new = ModeloptLiteStateConfig(copy.deepcopy(self.modelopt_lite_state, memo))
+        if model is not None and id(model) in memo:
+            new._model = weakref.ref(memo[id(model)])
+        elif model is not None:
+            new.modelopt_lite_state = modelopt_state(model)
+        return new
 
     def __iter__(self):
         yield from self.to_dict().items()
@@ -94,6 +116,15 @@ def enable_huggingface_checkpointing() -> None:
         register_quantizer(QUANT_METHOD)(ModeloptLiteStateQuantizer)
     add_post_quantize_hook(attach)
     logger.info("Hugging Face checkpointing of quantizer state enabled (quant_method %r)", QUANT_METHOD)
+
+
+def disable_huggingface_checkpointing() -> None:
+    """Undo :func:`enable_huggingface_checkpointing` (models quantized since keep their config)."""
+    if AUTO_QUANTIZATION_CONFIG_MAPPING.get(QUANT_METHOD) is ModeloptLiteStateConfig:
+        del AUTO_QUANTIZATION_CONFIG_MAPPING[QUANT_METHOD]
+    if AUTO_QUANTIZER_MAPPING.get(QUANT_METHOD) is ModeloptLiteStateQuantizer:
+        del AUTO_QUANTIZER_MAPPING[QUANT_METHOD]
+    remove_post_quantize_hook(attach)
 
 
 def checkpointing_enabled() -> bool:

@@ -11,7 +11,12 @@ from torch import nn
 from .._version import __version__
 from ..nn import QUANT_MODULES, QuantModule, SequentialQuantizer, TensorQuantizer, iter_quantizers
 from ..quantization import QuantizeConfig, quant_state, quantizer_attributes
-from ..quantization.insertion import Provenance, name_quantizers
+from ..quantization.insertion import (
+    Provenance,
+    name_quantizers,
+    remove_quantizers,
+    snapshot_implementations,
+)
 from ..quantization.model_quant import QuantState, set_quant_state
 
 __all__ = ["modelopt_state", "restore_from_modelopt_state"]
@@ -121,8 +126,35 @@ def _check_modules(model: nn.Module, state: dict[str, Any]) -> None:
         )
 
 
+def _validate_state(state: Any) -> None:
+    """Check the whole state before anything is changed; errors name the entry."""
+    if not isinstance(state, dict) or state.get("format") != _FORMAT:
+        raise ValueError(f"not a modelopt_lite quantizer state (format {_FORMAT} expected)")
+    for key in ("modules", "quantizers"):
+        if not isinstance(state.get(key), dict) or not state[key]:
+            raise ValueError(f"quantizer state: {key!r} must be a non-empty mapping")
+    for name, info in state["modules"].items():
+        if not isinstance(info, dict) or not isinstance(info.get("class"), str):
+            raise ValueError(f"quantizer state: module {name!r} has no 'class'")
+    for qname, entry in state["quantizers"].items():
+        stages = entry.get("stages", [entry]) if isinstance(entry, dict) else None
+        if not stages or not all(
+            isinstance(s, dict) and isinstance(s.get("attributes"), dict) for s in stages
+        ):
+            raise ValueError(f"quantizer state: {qname!r} needs 'attributes' (or 'stages' of them)")
+        for stage in stages:
+            _attributes(stage, qname)
+
+
+def _attributes(entry: dict[str, Any], qname: str):
+    attrs = entry["attributes"]
+    if not isinstance(attrs.get("enable"), bool):
+        raise ValueError(f"quantizer state: {qname!r} attributes need 'enable' (True / False)")
+    return quantizer_attributes(attrs, attrs["enable"], f"quantizer state {qname!r}")
+
+
 def _restore_quantizer(q: TensorQuantizer, entry: dict[str, Any], device: torch.device) -> None:
-    q.set_attributes(quantizer_attributes(entry["attributes"], entry["attributes"]["enable"], q.name))
+    q.set_attributes(_attributes(entry, q.name))
     q._quant_enabled = bool(entry.get("quant_enabled", True))
     q.allocate_buffers(entry.get("buffers", {}), device)
 
@@ -131,11 +163,20 @@ def restore_from_modelopt_state(model: nn.Module, state: dict[str, Any]) -> nn.M
     """Insert and configure the quantizers recorded in ``state`` on an unquantized ``model`` of the same
     architecture (amax / scale buffers are allocated; load the tensors afterwards). Raises naming the first
     quantizer that does not fit."""
-    if not isinstance(state, dict) or state.get("format") != _FORMAT:
-        raise ValueError(f"not a modelopt_lite quantizer state (format {_FORMAT} expected)")
+    _validate_state(state)
     if quant_state(model) is not None or any(isinstance(m, QuantModule) for m in model.modules()):
         raise ValueError("the model is already quantized; restore onto a fresh, unquantized model")
     _check_modules(model, state)
+    implementations = snapshot_implementations(model)
+    try:
+        _apply_state(model, state)
+    except BaseException:
+        remove_quantizers(model, implementations)
+        raise
+    return model
+
+
+def _apply_state(model: nn.Module, state: dict[str, Any]) -> None:
     for name in state["modules"]:
         module = model.get_submodule(name) if name else model
         if not QUANT_MODULES.convert(module):
@@ -149,10 +190,7 @@ def restore_from_modelopt_state(model: nn.Module, state: dict[str, Any]) -> nn.M
         parent_name, _, slot = qname.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         if "stages" in entry:
-            attrs = [
-                quantizer_attributes(s["attributes"], s["attributes"]["enable"], qname)
-                for s in entry["stages"]
-            ]
+            attrs = [_attributes(s, qname) for s in entry["stages"]]
             seq = SequentialQuantizer(qname, attrs)
             parent.replace_quantizer(slot, seq) if isinstance(parent, QuantModule) else setattr(
                 parent, slot, seq
@@ -168,4 +206,3 @@ def restore_from_modelopt_state(model: nn.Module, state: dict[str, Any]) -> nn.M
     if state.get("quant_config") is not None:
         provenance = Provenance({k: [tuple(s) for s in v] for k, v in state.get("provenance", {}).items()})
         set_quant_state(model, QuantState(QuantizeConfig.from_dict(state["quant_config"]), provenance))
-    return model

@@ -22,7 +22,14 @@ from ..moe import coverage_report, reset_coverage
 from ..nn import QuantModule, SequentialQuantizer, TensorQuantizer, iter_quantizers
 from .config import ALGORITHMS
 
-__all__ = ["ForwardLoop", "calibrate", "check_calibrated", "register_algorithm", "run_forward_loop"]
+__all__ = [
+    "ForwardLoop",
+    "calibrate",
+    "check_algorithm",
+    "check_calibrated",
+    "register_algorithm",
+    "run_forward_loop",
+]
 
 logger = get_logger(__name__)
 
@@ -42,23 +49,23 @@ def register_algorithm(name: str) -> Callable[[Callable[..., None]], Callable[..
     return add
 
 
-def calibrate(
-    model: nn.Module,
-    algorithm: str | Mapping[str, Any] | None = "max",
-    forward_loop: ForwardLoop | None = None,
-) -> nn.Module:
-    """Calibrate the quantizers of an already quantized ``model`` with ``algorithm`` (a name, a dict with
-    ``"method"`` and options, or ``None`` for nothing). Returns ``model``."""
+def check_algorithm(algorithm: str | Mapping[str, Any] | None) -> tuple[str | None, dict[str, Any]]:
+    """``(name, options)`` of an algorithm spec; raises before anything is changed when the name is
+    unknown, not available in this release, or options come without a method."""
     options: dict[str, Any] = {}
     if isinstance(algorithm, Mapping):
+        if "method" not in algorithm:
+            raise ValueError(
+                f"algorithm={dict(algorithm)!r} needs a 'method' key (one of {list(ALGORITHMS)})"
+            )
         options = {k: v for k, v in algorithm.items() if k != "method"}
-        algorithm = algorithm.get("method")
+        algorithm = algorithm["method"]
+        if algorithm is None and options:
+            raise ValueError(f"algorithm options {sorted(options)} given with method None")
     if algorithm is None:
-        try:
-            check_calibrated(model)
-        except RuntimeError as err:
-            raise RuntimeError(f"{err}. The config's algorithm is None (no calibration): use 'max'") from None
-        return model
+        return None, {}
+    if not isinstance(algorithm, str):
+        raise TypeError(f"algorithm must be a name, a dict with 'method', or None; got {algorithm!r}")
     if algorithm not in _ALGORITHMS:
         if algorithm in ALGORITHMS:
             raise NotImplementedError(
@@ -66,6 +73,23 @@ def calibrate(
                 f"{sorted(_ALGORITHMS)}); set 'algorithm': 'max' in the config to calibrate with max"
             )
         raise ValueError(f"unknown calibration algorithm {algorithm!r} (available: {sorted(_ALGORITHMS)})")
+    return algorithm, options
+
+
+def calibrate(
+    model: nn.Module,
+    algorithm: str | Mapping[str, Any] | None = "max",
+    forward_loop: ForwardLoop | None = None,
+) -> nn.Module:
+    """Calibrate the quantizers of an already quantized ``model`` with ``algorithm`` (a name, a dict with
+    ``"method"`` and options, or ``None`` for nothing). Returns ``model``."""
+    algorithm, options = check_algorithm(algorithm)
+    if algorithm is None:
+        try:
+            check_calibrated(model)
+        except RuntimeError as err:
+            raise RuntimeError(f"{err}. The config's algorithm is None (no calibration): use 'max'") from None
+        return model
     if not any(True for _ in iter_quantizers(model)):
         raise ValueError("the model has no quantizers: call mtq.quantize(model, config, ...) first")
     _ALGORITHMS[algorithm](model, forward_loop, **options)

@@ -50,9 +50,10 @@ _ALLOWED_KEYS = sorted(_OURS | set(_INERT) | set(_DEFAULT_ONLY) | {"type", "pass
 
 
 def quantizer_attributes(
-    cfg: Mapping[str, Any], enable: bool = True, where: str = "cfg"
+    cfg: Mapping[str, Any], enable: bool = True, where: str = "cfg", explicit_enable: bool = False
 ) -> QuantizerAttributes:
-    """Translate one attribute dict (reference or our names) into validated :class:`QuantizerAttributes`."""
+    """Translate one attribute dict (reference or our names) into validated :class:`QuantizerAttributes`.
+    ``explicit_enable``: the rule itself sets ``enable``, so a different ``cfg["enable"]`` is a conflict."""
     if not isinstance(cfg, Mapping):
         raise TypeError(f"{where}: expected a mapping of quantizer attributes, got {type(cfg).__name__}")
     unknown = sorted(set(cfg) - set(_ALLOWED_KEYS))
@@ -71,6 +72,10 @@ def quantizer_attributes(
     if kind not in ("static", "dynamic"):
         raise ValueError(f"{where}: type={kind!r} (allowed: 'static', 'dynamic')")
     if out.get("block_sizes") is not None:
+        if not isinstance(out["block_sizes"], Mapping):
+            raise TypeError(
+                f"{where}: block_sizes={out['block_sizes']!r} must be a mapping such as {{-1: 128}}"
+            )
         blocks = {
             (int(k) if isinstance(k, str) and k.lstrip("-").isdigit() else k): v
             for k, v in out["block_sizes"].items()
@@ -89,6 +94,10 @@ def quantizer_attributes(
             raise ValueError(f"{where}: give either pass_through_bwd or backward, not both")
         out["backward"] = "pass_through" if cfg["pass_through_bwd"] else "clipped"
     if "enable" in cfg:
+        if cfg["enable"] != enable and explicit_enable:
+            raise ValueError(
+                f"{where}: the rule says enable={enable} but its cfg says enable={cfg['enable']}"
+            )
         enable = cfg["enable"]
     if not isinstance(enable, bool):
         raise TypeError(f"{where}: enable={enable!r} must be True or False")
@@ -122,8 +131,16 @@ class QuantRule:
         if isinstance(self.cfg, Sequence) and not isinstance(self.cfg, (str, bytes)):
             if len(self.cfg) == 0:
                 raise ValueError(f"{where}: cfg list is empty")
+            if not all(isinstance(c, Mapping) for c in self.cfg):
+                raise TypeError(
+                    f"{where}: a cfg list holds one attribute mapping per stage, got {self.cfg!r}"
+                )
             object.__setattr__(self, "cfg", tuple(copy.deepcopy(dict(c)) for c in self.cfg))
         elif self.cfg is not None:
+            if not isinstance(self.cfg, Mapping):
+                raise TypeError(
+                    f"{where}: cfg must be a mapping of attributes (or a list of them), got {self.cfg!r}"
+                )
             object.__setattr__(self, "cfg", copy.deepcopy(dict(self.cfg)))
         self.attributes()  # validate now
 
@@ -138,7 +155,11 @@ class QuantRule:
         enable = True if self.enable is None else self.enable
         cfgs = self.cfg if isinstance(self.cfg, tuple) else (self.cfg,)
         where = f"quant_cfg rule {self.quantizer_name!r}"
-        return tuple(quantizer_attributes(c, enable, where) for c in cfgs)
+        return tuple(quantizer_attributes(c, enable, where, self.enable is not None) for c in cfgs)
+
+    def normalized(self) -> tuple[Any, ...]:
+        """What the rule does, independent of how it was written (tuples vs lists, ``"-1"`` vs ``-1``)."""
+        return (self.quantizer_name, self.parent_class, self.enable, self.attributes())
 
     def describe(self) -> str:
         what = []
@@ -256,9 +277,16 @@ class QuantizeConfig:
             "algorithm": copy.deepcopy(self.algorithm),
         }
 
-    def ordered_rules(self) -> list[QuantRule]:
-        """Rules in application order: fallback (``"default"``) rules first, then the rest as written."""
-        return [r for r in self.quant_cfg if r.is_fallback] + [r for r in self.quant_cfg if not r.is_fallback]
+    def same_as(self, other: QuantizeConfig) -> bool:
+        """Whether both configs do the same thing (e.g. a preset and its JSON / YAML round trip)."""
+        return [r.normalized() for r in self.quant_cfg] == [r.normalized() for r in other.quant_cfg] and (
+            (self.algorithm_name, self.algorithm_options) == (other.algorithm_name, other.algorithm_options)
+        )
+
+    def ordered_rules(self) -> list[tuple[int, QuantRule]]:
+        """``(index as written, rule)`` in application order: fallback (``"default"``) rules first."""
+        indexed = list(enumerate(self.quant_cfg))
+        return [x for x in indexed if x[1].is_fallback] + [x for x in indexed if not x[1].is_fallback]
 
     def with_rules(self, *rules: QuantRule, algorithm: Any = ...) -> QuantizeConfig:
         """A copy with ``rules`` appended (they win over existing ones)."""

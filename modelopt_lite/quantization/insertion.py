@@ -16,13 +16,21 @@ from ..nn.kv_attention import QuantAttention, kv_attention_name
 from .config import QuantizeConfig, QuantRule
 from .presets import STANDARD_EXCLUSIONS
 
-__all__ = ["Provenance", "apply_config", "insert_quantizers", "match_name"]
+__all__ = [
+    "Provenance",
+    "apply_config",
+    "insert_quantizers",
+    "match_name",
+    "remove_quantizers",
+    "snapshot_implementations",
+]
 
 logger = get_logger(__name__)
 
 # ``...weight_quantizers.3`` (fused experts, one quantizer per expert) matches ``*weight_quantizer``.
 _PER_EXPERT = re.compile(r"(_quantizer)s\.\d+$")
 _STANDARD = {(r["quantizer_name"], r.get("parent_class")) for r in STANDARD_EXCLUSIONS}
+STATE_ATTR = "_modelopt_lite_quant"  # the QuantState that mtq.quantize records on the model
 
 
 def match_name(name: str) -> str:
@@ -97,6 +105,32 @@ def use_experts_implementation(model: nn.Module, choice: str | None = None) -> s
     return target
 
 
+def snapshot_implementations(model: nn.Module) -> dict[str, str | None]:
+    """The model's attention and experts implementations (restored by :func:`remove_quantizers`)."""
+    config = getattr(model, "config", None)
+    return {
+        "attn": getattr(config, "_attn_implementation", None),
+        "experts": getattr(config, "_experts_implementation", None),
+    }
+
+
+def remove_quantizers(model: nn.Module, implementations: dict[str, str | None] | None = None) -> None:
+    """Undo :func:`insert_quantizers`: original classes, no quantizers, the implementations of
+    ``implementations`` (a :func:`snapshot_implementations`), no recorded config."""
+    for module in list(model.modules()):
+        QUANT_MODULES.revert(module)
+    config = getattr(model, "config", None)
+    if implementations and config is not None:
+        attn, experts = implementations["attn"], implementations["experts"]
+        if attn is not None and getattr(config, "_attn_implementation", None) != attn:
+            model.set_attn_implementation(attn) if hasattr(model, "set_attn_implementation") else None
+        if experts is not None and getattr(config, "_experts_implementation", None) != experts:
+            model.set_experts_implementation(experts) if hasattr(
+                model, "set_experts_implementation"
+            ) else None
+    model.__dict__.pop(STATE_ATTR, None)
+
+
 def name_quantizers(model: nn.Module) -> None:
     for name, quantizer in iter_quantizers(model):
         quantizer.name = name
@@ -145,11 +179,13 @@ def _matches(rule: QuantRule, name: str, parent: nn.Module) -> bool:
     return _parent_matches(parent, rule.parent_class)
 
 
-def apply_config(model: nn.Module, config: QuantizeConfig) -> Provenance:
-    """Apply the rules of ``config`` in order to every quantizer of ``model``."""
+def apply_config(model: nn.Module, config: QuantizeConfig, index_offset: int = 0) -> Provenance:
+    """Apply the rules of ``config`` in order to every quantizer of ``model``. Rules are numbered as written
+    (plus ``index_offset`` for rules appended to an earlier config)."""
     provenance = Provenance()
     slots = _slots(model)
-    for index, rule in enumerate(config.ordered_rules()):
+    for index, rule in config.ordered_rules():
+        index += index_offset
         attrs = rule.attributes()
         hits = 0
         replaced = False

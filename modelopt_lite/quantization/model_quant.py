@@ -12,10 +12,19 @@ from torch import nn
 
 from ..logging import get_logger
 from ..moe import unquantized_experts
-from ..nn import QuantModule, iter_quantizers
-from .calibrate import ForwardLoop, calibrate
-from .config import QuantizeConfig
-from .insertion import Provenance, apply_config, insert_quantizers, match_name, use_experts_implementation
+from ..nn import QuantizerAttributes, QuantModule, iter_quantizers
+from .calibrate import ForwardLoop, calibrate, check_algorithm
+from .config import QuantizeConfig, QuantRule
+from .insertion import (
+    STATE_ATTR,
+    Provenance,
+    apply_config,
+    insert_quantizers,
+    match_name,
+    remove_quantizers,
+    snapshot_implementations,
+    use_experts_implementation,
+)
 from .presets import KV_PRESETS, PRESETS, get_preset
 from .recipes import list_recipes, load_recipe
 
@@ -30,13 +39,13 @@ __all__ = [
     "print_quant_summary",
     "quant_state",
     "quantize",
+    "remove_post_quantize_hook",
     "resolve_config",
     "set_quant_state",
     "set_quantizer_by_cfg",
 ]
 
 logger = get_logger(__name__)
-_STATE_ATTR = "_modelopt_lite_quant"
 # Called with the model after each successful quantize; filled only by explicit opt-ins from the floors
 # above (``mto.enable_huggingface_checkpointing()``), never at import.
 _POST_QUANTIZE_HOOKS: list[Callable[[nn.Module], None]] = []
@@ -48,20 +57,27 @@ def add_post_quantize_hook(hook: Callable[[nn.Module], None]) -> None:
         _POST_QUANTIZE_HOOKS.append(hook)
 
 
+def remove_post_quantize_hook(hook: Callable[[nn.Module], None]) -> None:
+    if hook in _POST_QUANTIZE_HOOKS:
+        _POST_QUANTIZE_HOOKS.remove(hook)
+
+
 @dataclass
 class QuantState:
-    """What :func:`quantize` recorded on the model: the config and which rule set each quantizer."""
+    """What :func:`quantize` recorded on the model: the config, rules applied later by
+    :func:`set_quantizer_by_cfg`, and which rule set each quantizer."""
 
     config: QuantizeConfig
     provenance: Provenance
+    later_rules: tuple[QuantRule, ...] = ()
 
 
 def quant_state(model: nn.Module) -> QuantState | None:
-    return getattr(model, _STATE_ATTR, None)
+    return getattr(model, STATE_ATTR, None)
 
 
 def set_quant_state(model: nn.Module, state: QuantState) -> None:
-    setattr(model, _STATE_ATTR, state)
+    setattr(model, STATE_ATTR, state)
 
 
 def resolve_config(config: QuantizeConfig | Mapping[str, Any] | str | Path) -> QuantizeConfig:
@@ -96,38 +112,54 @@ def quantize(
     an iterable of batches; weight-only configs need none. ``experts_implementation`` (``"grouped_mm"`` or
     ``"eager"``) chooses how fused MoE experts run; by default the model's own choice is kept."""
     cfg = resolve_config(config)
+    check_algorithm(cfg.algorithm)  # unknown / unavailable algorithms fail before the model is touched
     previous = quant_state(model)
-    if previous is not None and previous.config != cfg:
-        raise ValueError(
-            "the model is already quantized with a different config; quantize a fresh copy of the model, "
-            "or change attributes in place with mtq.set_quantizer_by_cfg(model, quant_cfg)"
-        )
-    if previous is None:
-        converted = insert_quantizers(model, experts_implementation)
-        provenance = apply_config(model, cfg)
-        set_quant_state(model, QuantState(cfg, provenance))
-        idle = unquantized_experts(model)
-        if idle and any(q.is_enabled for _, q in iter_quantizers(model)):
-            logger.warning(
-                "the config enables quantizers but none of %d fused experts module(s) (%s); their "
-                "patterns are *_weight_quantizer / *_input_quantizer (gate_up_proj_weight_quantizers.N match "
-                "'*weight_quantizer')",
-                len(idle),
-                ", ".join(idle[:4]),
+    if previous is not None:
+        if not previous.config.same_as(cfg):
+            raise ValueError(
+                "the model is already quantized with a different config; quantize a fresh copy of the model, "
+                "or change attributes in place with mtq.set_quantizer_by_cfg(model, quant_cfg)"
             )
-        enabled = sum(q.is_enabled for _, q in iter_quantizers(model))
-        logger.info(
-            "inserted quantizers into %d module(s); %d quantizer(s) enabled; calibrating with %s",
-            len(converted), enabled, cfg.algorithm_name,
-        )  # fmt: skip
-    else:
         logger.info("model already quantized with this config: calibrating again")
         if experts_implementation is not None:
             use_experts_implementation(model, experts_implementation)
-    calibrate(model, cfg.algorithm, forward_loop)
+        calibrate(model, cfg.algorithm, forward_loop)
+    else:
+        implementations = snapshot_implementations(model)
+        try:
+            _insert_and_calibrate(model, cfg, forward_loop, experts_implementation)
+        except BaseException:
+            remove_quantizers(model, implementations)  # nothing half-done: the model is as it was
+            raise
     for hook in _POST_QUANTIZE_HOOKS:
         hook(model)
     return model
+
+
+def _insert_and_calibrate(
+    model: nn.Module,
+    cfg: QuantizeConfig,
+    forward_loop: ForwardLoop | None,
+    experts_implementation: str | None,
+) -> None:
+    converted = insert_quantizers(model, experts_implementation)
+    provenance = apply_config(model, cfg)
+    set_quant_state(model, QuantState(cfg, provenance))
+    idle = unquantized_experts(model)
+    if idle and any(q.is_enabled for _, q in iter_quantizers(model)):
+        logger.warning(
+            "the config enables quantizers but none of %d fused experts module(s) (%s); their "
+            "patterns are *_weight_quantizer / *_input_quantizer (gate_up_proj_weight_quantizers.N match "
+            "'*weight_quantizer')",
+            len(idle),
+            ", ".join(idle[:4]),
+        )
+    enabled = sum(q.is_enabled for _, q in iter_quantizers(model))
+    logger.info(
+        "inserted quantizers into %d module(s); %d quantizer(s) enabled; calibrating with %s",
+        len(converted), enabled, cfg.algorithm_name,
+    )  # fmt: skip
+    calibrate(model, cfg.algorithm, forward_loop)
 
 
 def set_quantizer_by_cfg(model: nn.Module, quant_cfg: Any) -> Provenance:
@@ -143,26 +175,42 @@ def set_quantizer_by_cfg(model: nn.Module, quant_cfg: Any) -> Provenance:
         config = QuantizeConfig.from_dict({"quant_cfg": raw["quant_cfg"], "algorithm": None})
     if not any(True for _ in iter_quantizers(model)):
         raise ValueError("the model has no quantizers: call mtq.quantize first")
-    provenance = apply_config(model, config)
     state = quant_state(model)
+    offset = len(state.config.quant_cfg) + len(state.later_rules) if state else 0
+    provenance = apply_config(model, config, index_offset=offset)
     if state is not None:
-        state.config = state.config.with_rules(*config.quant_cfg)
+        state.later_rules += config.quant_cfg
         for name, steps in provenance.rules.items():
             state.provenance.rules.setdefault(name, []).extend(steps)
     return provenance
 
 
+_PROBE_SLOTS = ("m.input_quantizer", "m.weight_quantizer", "m.output_quantizer", "m.k_bmm_quantizer",
+                "m.v_bmm_quantizer", "m.gate_up_proj_input_quantizer", "m.gate_up_proj_weight_quantizers.0",
+                "m.down_proj_input_quantizer", "m.down_proj_weight_quantizers.0")  # fmt: skip
+
+
 def need_calibration(config: QuantizeConfig | Mapping[str, Any] | str) -> bool:
-    """Whether quantizing with ``config`` needs calibration data: a static (amax-based) quantizer is
-    enabled, or the algorithm is one that searches on data."""
+    """Whether quantizing with ``config`` needs calibration data: the algorithm searches on data, or an
+    activation / KV quantizer with a static (amax-based) format ends up enabled. Weight quantizers are
+    calibrated from the weights and never need data. Rules are resolved in order on the standard names."""
     cfg = resolve_config(config)
     if cfg.algorithm_name not in (None, "max"):
         return True
-    for rule in cfg.quant_cfg:
-        for attrs in rule.attributes() or ():
-            if attrs.enable and attrs.spec().needs_amax:
-                return True
-    return False
+    default = QuantizerAttributes()
+    slots = {s: (default, not s.endswith("output_quantizer")) for s in _PROBE_SLOTS}
+    for _, rule in cfg.ordered_rules():
+        if rule.parent_class is not None:  # scoped to other module classes (BatchNorm, Embedding, ...)
+            continue
+        attrs = rule.attributes()
+        for slot, (current, _) in slots.items():
+            if rule.is_fallback or fnmatch.fnmatchcase(match_name(slot), rule.quantizer_name):
+                slots[slot] = (attrs[-1], attrs[-1].enable) if attrs else (current, bool(rule.enable))
+    return any(
+        enabled and attrs.spec().needs_amax
+        for slot, (attrs, enabled) in slots.items()
+        if "weight_quantizer" not in slot
+    )
 
 
 def _set_enabled(model: nn.Module, pattern: str, enable: bool) -> int:

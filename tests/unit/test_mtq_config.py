@@ -59,7 +59,10 @@ def test_dict_form_default_is_the_fallback_wherever_it_is_written():
     cfg = QuantizeConfig.from_dict(
         {"quant_cfg": {"*weight_quantizer": {"num_bits": 8, "axis": 0}, "default": {"enable": False}}}
     )
-    assert [r.quantizer_name for r in cfg.ordered_rules()] == ["default", "*weight_quantizer"]
+    assert [(i, r.quantizer_name) for i, r in cfg.ordered_rules()] == [
+        (1, "default"),
+        (0, "*weight_quantizer"),
+    ]
     scoped = QuantizeConfig.from_dict({"quant_cfg": {"nn.Linear": {"*input_quantizer": {"enable": False}}}})
     assert scoped.quant_cfg[0].parent_class == "nn.Linear"
 
@@ -84,6 +87,19 @@ def test_dict_form_default_is_the_fallback_wherever_it_is_written():
         ({"quant_cfg": [], "algorithm": "magic"}, "algorithm='magic' is unknown"),
         ({"quant_cfg": "*"}, "quant_cfg must be"),
         ({"algorithm": "max"}, "needs 'quant_cfg'"),
+        (
+            {"quant_cfg": [{"quantizer_name": "*", "cfg": [8, 4]}]},
+            r"rule '\*'.*one attribute mapping per stage",
+        ),
+        ({"quant_cfg": [{"quantizer_name": "*", "cfg": "num_bits=8"}]}, r"rule '\*'.*cfg must be a mapping"),
+        (
+            {"quant_cfg": [{"quantizer_name": "*", "cfg": {"num_bits": 4, "block_sizes": [128]}}]},
+            "block_sizes",
+        ),
+        (
+            {"quant_cfg": [{"quantizer_name": "*", "enable": True, "cfg": {"num_bits": 8, "enable": False}}]},
+            "enable=True but its cfg says enable=False",
+        ),
     ],
 )
 def test_bad_configs_raise_naming_the_problem(config, match):
@@ -123,6 +139,10 @@ def test_need_calibration():
     assert mtq.need_calibration(mtq.FP8_DEFAULT_CFG)
     assert mtq.need_calibration("INT4_AWQ_CFG")  # a search algorithm
     assert not mtq.need_calibration(mtq.MXFP4_DEFAULT_CFG)  # MX scales come from each block
+    for weight_only in ("INT8_WEIGHT_ONLY_CFG", "INT4_BLOCKWISE_WEIGHT_ONLY_CFG", "W4A16_NVFP4_CFG"):
+        assert not mtq.need_calibration(weight_only)  # weights calibrate from the weights
+    assert mtq.need_calibration({"quant_cfg": [{"quantizer_name": "*input_quantizer", "enable": True}]})
+    assert mtq.need_calibration(mtq.with_kv_cache(mtq.MXFP8_DEFAULT_CFG, "FP8_KV_CFG"))
     assert not mtq.need_calibration(
         mtq.FP8_PER_CHANNEL_PER_TOKEN_CFG
         | {

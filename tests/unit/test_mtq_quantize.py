@@ -134,6 +134,20 @@ def test_w4a8_weight_quantizer_is_sequential():
     assert [q.spec.name for q in wq] == ["int4", "fp8_e4m3"]
     w = model.model.layers[0].mlp.up_proj.weight
     assert torch.equal(wq(w), wq[1](wq[0](w)))
+    assert torch.equal(wq[1].amax, wq[0](w).abs().amax())
+
+
+def test_sequential_stage_is_calibrated_on_the_previous_stage_output():
+    attrs = [
+        mtq.quantizer_attributes(mtq.MXFP4_DEFAULT_CFG["quant_cfg"][1]["cfg"]),
+        mtq.quantizer_attributes({"num_bits": 8}),
+    ]
+    seq = SequentialQuantizer("w", attrs)
+    w = torch.randn(64, 64)
+    seq.calibrate(w)
+    first = seq[0](w)
+    assert not torch.equal(first.abs().amax(), w.abs().amax())
+    assert torch.equal(seq[1].amax, first.abs().amax())
 
 
 def test_explain_and_unmatched_rule_warning(lib_caplog):
@@ -228,8 +242,9 @@ def test_quantizing_twice_with_another_config_raises():
         mtq.quantize(model, mtq.FP8_DEFAULT_CFG, batches())
 
 
-def test_forward_loop_that_raises_leaves_the_model_consistent():
-    model = tiny_llama()
+def test_failed_quantize_leaves_the_model_as_it_was():
+    model, reference = tiny_llama(), tiny_llama()
+    model.train()
     ids = batches()[0]
 
     def broken(m):
@@ -237,15 +252,109 @@ def test_forward_loop_that_raises_leaves_the_model_consistent():
         raise KeyError("data ran out")
 
     with pytest.raises(KeyError, match="data ran out"):
-        mtq.quantize(model, mtq.INT8_DEFAULT_CFG, broken)
+        mtq.quantize(model, mtq.with_kv_cache(mtq.INT8_DEFAULT_CFG, "FP8_KV_CFG"), broken)
+    assert not any(isinstance(m, QuantModule) for m in model.modules())
+    assert type(model.model.layers[0].mlp.up_proj) is nn.Linear
+    assert model.config._attn_implementation == "sdpa"
+    assert mtq.quant_state(model) is None
+    assert model.training  # the caller's mode is kept
+    model.eval()
+    assert torch.equal(model(ids).logits, reference(ids).logits)
+    mtq.quantize(model, mtq.FP8_DEFAULT_CFG, [ids])  # any config works on the retry
+    mtq.check_calibrated(model)
+
+
+def test_calibration_restores_training_mode_and_quantizer_modes():
+    model = tiny_llama()
+    model.train()
+    mtq.quantize(model, mtq.INT8_DEFAULT_CFG, batches())
+    assert model.training
+    assert all(m.training for m in model.modules())
     for _, q in mtq.iter_quantizers(model):
         assert q._quant_enabled
         assert not q._calib_enabled
-        assert q.calibrator.num_batches == 0
-    assert model.model.layers[0].mlp.up_proj.input_quantizer.amax is None
-    assert not model.training  # eval mode restored as it was
-    mtq.quantize(model, mtq.INT8_DEFAULT_CFG, [ids])  # and a retry works
-    mtq.check_calibrated(model)
+
+
+def test_unavailable_algorithm_fails_before_touching_the_model():
+    model = tiny_llama()
+    with pytest.raises(NotImplementedError, match="awq_lite"):
+        mtq.quantize(model, mtq.INT4_AWQ_CFG, batches())
+    assert not any(isinstance(m, QuantModule) for m in model.modules())
+    with pytest.raises(ValueError, match="needs a 'method'"):
+        mtq.calibrate(model, {"mthod": "max"}, batches())
+
+
+def test_sequential_input_quantizer_is_refused_and_rolled_back():
+    model = tiny_llama()
+    cfg = {
+        "quant_cfg": [
+            {"quantizer_name": "*", "enable": False},
+            {"quantizer_name": "*input_quantizer", "cfg": [{"num_bits": 8}, {"num_bits": (4, 3)}]},
+        ]
+    }
+    with pytest.raises(NotImplementedError, match="weights only"):
+        mtq.quantize(model, cfg, batches())
+    assert mtq.quant_state(model) is None
+
+
+def test_enable_only_rules_toggle_without_touching_attributes():
+    model = tiny_llama()
+    cfg = {
+        "quant_cfg": [
+            {"quantizer_name": "*", "enable": False},
+            {"quantizer_name": "*weight_quantizer", "cfg": {"num_bits": 4, "block_sizes": {-1: 32}}},
+            {"quantizer_name": "*weight_quantizer", "enable": False},
+            {"quantizer_name": "*mlp*weight_quantizer", "enable": True},
+        ]
+    }
+    mtq.quantize(model, cfg)
+    up = model.model.layers[0].mlp.up_proj.weight_quantizer
+    assert up.is_enabled
+    assert up.spec.name == "int4"
+    assert up.amax.shape == (128 * 64 // 32, 1)
+    q = model.model.layers[0].self_attn.q_proj.weight_quantizer
+    assert not q.is_enabled
+    assert q.num_bits == 4
+
+
+def test_a_cfg_rule_replaces_every_attribute():
+    model = tiny_llama()
+    cfg = {
+        "quant_cfg": [
+            {"quantizer_name": "*", "enable": False},
+            {"quantizer_name": "*weight_quantizer", "cfg": {"num_bits": 4, "axis": 0, "narrow_range": True}},
+            {"quantizer_name": "*weight_quantizer", "cfg": {"num_bits": 8}},
+        ]
+    }
+    mtq.quantize(model, cfg)
+    q = model.model.layers[0].mlp.up_proj.weight_quantizer
+    assert (q.num_bits, q.axis, q.narrow_range) == (8, None, False)
+    assert q.amax.numel() == 1
+
+
+def test_explain_numbers_rules_as_written():
+    model = tiny_llama()
+    cfg = {"quant_cfg": {"*weight_quantizer": {"num_bits": 8, "axis": 0}, "default": {"enable": False}}}
+    mtq.quantize(model, cfg)
+    text = mtq.explain(model, "model.layers.0.mlp.up_proj.weight_quantizer")
+    assert "#1 'default'" in text
+    assert "#0 '*weight_quantizer'" in text
+    mtq.set_quantizer_by_cfg(model, [{"quantizer_name": "*up_proj.weight_quantizer", "enable": False}])
+    assert "#2 '*up_proj.weight_quantizer': enable=False" in mtq.explain(
+        model, "*layers.0.mlp.up_proj.weight*"
+    )
+    mtq.quantize(model, cfg)  # the original config still counts as the same config
+
+
+def test_zero_and_missing_amax_are_reported():
+    model = tiny_llama()
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.zero_()
+    with pytest.raises(RuntimeError, match=r"layers\.0\.mlp\.up_proj\.weight_quantizer \(amax is zero"):
+        mtq.quantize(model, mtq.INT8_WEIGHT_ONLY_CFG)
+    cfg = mtq.get_preset("INT8_WEIGHT_ONLY_CFG") | {"algorithm": None}
+    with pytest.raises(RuntimeError, match="algorithm is None"):
+        mtq.quantize(tiny_llama(), cfg)
 
 
 def test_nan_activations_name_the_quantizer():

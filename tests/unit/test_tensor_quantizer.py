@@ -215,3 +215,11 @@ def test_amax_follows_module_device_and_dtype_preserved():
     assert q(x).dtype == torch.bfloat16
     q.to(torch.device("cpu"))
     assert q.amax.device.type == "cpu"
+
+
+def test_pre_quant_scale_is_stored_in_float32():
+    q = TensorQuantizer("x", num_bits=8)
+    q.pre_quant_scale = torch.ones(4, dtype=torch.bfloat16) * 1.5
+    assert q.pre_quant_scale.dtype == torch.float32
+    q.to(torch.float16)
+    assert q.pre_quant_scale.dtype == torch.float32

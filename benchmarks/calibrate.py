@@ -1,0 +1,387 @@
+"""Max-calibration cost of ``mtq.quantize`` on a tiny Llama, side by side with nvidia-modelopt.
+
+    OMP_NUM_THREADS=2 python benchmarks/calibrate.py [--repeats 5] [--threads 2] [--quick] [--json out.json]
+
+Model: ``LlamaForCausalLM`` from a config (hidden 256, intermediate 688, 4 layers, 4 heads / 2 KV heads,
+vocab 2048), fp32, eval mode, weights from ``torch.manual_seed(0)``. Calibration data: 8 batches of
+``input_ids`` shaped 2x128 (fixed seed). Measured: the wall time of the whole
+``mtq.quantize(model, cfg, forward_loop)`` call (quantizer insertion + max calibration) and the peak RSS
+(``ru_maxrss``) of the process, plus its increase over the RSS right before ``quantize``.
+
+Every measurement runs in a fresh subprocess (this file re-invoked with ``--child ours|ref --config NAME``)
+so that peak RSS is not polluted by earlier runs; the child prints one JSON line. Ours runs under this
+interpreter; the reference under ``--reference-python`` (default ``/work/mo_venv/bin/python`` when it
+exists), which needs only torch, transformers and ``modelopt`` -- this file imports neither library at
+module level; when that interpreter has no transformers, this interpreter's copy (and whichever of its
+dependencies the reference lacks) is lent to it through a folder of symlinks on PYTHONPATH. A reference
+failure for a config (e.g. a CUDA-only fake-quant path) shows as ``n/a (reason: ...)``.
+
+Both sides run the same forward loop (under ``torch.no_grad``), interleaved run by run. On a shared machine
+a run with threads pinned to the core count slows down many times over when other processes want a core, so
+the child also reports how many cores other processes kept busy while ``quantize`` ran; a run above
+``--max-other-load`` is retried (``--retries``) and, if still disturbed, kept and flagged ``loaded``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+CONFIGS = ["FP8_DEFAULT_CFG", "INT8_DEFAULT_CFG", "NVFP4_DEFAULT_CFG", "INT4_BLOCKWISE_WEIGHT_ONLY_CFG"]
+QUICK_CONFIGS = ["FP8_DEFAULT_CFG", "NVFP4_DEFAULT_CFG"]
+DEFAULT_REFERENCE_PYTHON = "/work/mo_venv/bin/python"
+NUM_BATCHES, BATCH, SEQ, VOCAB = 8, 2, 128, 2048
+
+
+# ----------------------------------------------------------------------------------------------- child
+
+
+def _rss_now_mb() -> float:
+    """Current resident set size (Linux /proc; falls back to ru_maxrss elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return _peak_rss_mb()
+
+
+def _peak_rss_mb() -> float:
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes on macOS, KiB on Linux
+
+
+def _busy_cpu_seconds() -> float | None:
+    """Busy CPU seconds of the whole machine so far (Linux /proc/stat), or None."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _build_model_and_batches():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).float().eval()
+    gen = torch.Generator().manual_seed(1234)
+    batches = [torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen) for _ in range(NUM_BATCHES)]
+    return model, batches
+
+
+def _child(which: str, config: str, threads: int) -> dict:
+    import copy
+
+    import torch
+
+    torch.set_num_threads(threads)
+    model, batches = _build_model_and_batches()
+
+    def forward_loop(m):
+        with torch.no_grad():
+            for b in batches:
+                m(b)
+
+    if which == "ours":
+        import modelopt_lite.quantization as mtq
+    else:
+        import modelopt.torch.quantization as mtq
+    if not hasattr(mtq, config):
+        return {"error": f"config {config} not present in this library"}
+    cfg = copy.deepcopy(getattr(mtq, config))
+    rss_before = _rss_now_mb()
+    busy_before, own_before = _busy_cpu_seconds(), time.process_time()
+    start = time.perf_counter()
+    mtq.quantize(model, cfg, forward_loop)
+    seconds = time.perf_counter() - start
+    busy_after, own_after = _busy_cpu_seconds(), time.process_time()
+    peak = _peak_rss_mb()
+    # cores that other processes kept busy while quantize ran (they inflate the time; nan without /proc)
+    others = float("nan")
+    if busy_before is not None and busy_after is not None:
+        others = max(0.0, (busy_after - busy_before - (own_after - own_before)) / seconds)
+    if which == "ours":
+        mtq.check_calibrated(model)  # raises if an enabled quantizer that needs amax has none
+    # TensorQuantizer and subclasses (the reference swaps in e.g. StaticBlockScaleQuantizer)
+    quantizers = [m for m in model.modules() if any(c.__name__ == "TensorQuantizer" for c in type(m).__mro__)]
+    return {
+        "seconds": seconds, "peak_rss_mb": peak, "rss_before_mb": rss_before, "other_cores_busy": others,
+        "quantizers": len(quantizers), "enabled_quantizers": sum(bool(q.is_enabled) for q in quantizers),
+    }  # fmt: skip
+
+
+def _child_main(which: str, config: str, threads: int) -> None:
+    try:
+        result = _child(which, config, threads)
+    except Exception as err:
+        import traceback
+
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        result = {"error": f"{type(err).__name__}: {first}"[:200], "traceback": traceback.format_exc()}
+    print("@@RESULT " + json.dumps(result), flush=True)
+
+
+# ---------------------------------------------------------------------------------------------- parent
+
+
+def _run_child(python: str, which: str, config: str, threads: int, extra_path: str | None) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1")
+    env.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    if extra_path:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (extra_path, env.get("PYTHONPATH")) if p)
+    cmd = [python, os.path.abspath(__file__), "--child", which, "--config", config, "--threads", str(threads)]
+    # run from a neutral directory so the reference interpreter cannot pick up this checkout by accident
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=os.path.dirname(python) or None)
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("@@RESULT "):
+            return json.loads(line[len("@@RESULT ") :])
+    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    return {"error": f"child exited {proc.returncode}: {tail}"[:200], "traceback": proc.stderr[-4000:]}
+
+
+def _ref_import_error(python: str, extra_path: str | None, module: str) -> str | None:
+    """None if ``module`` imports under ``python`` (with ``extra_path`` on PYTHONPATH), else the error."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    if extra_path:
+        env["PYTHONPATH"] = extra_path
+    proc = subprocess.run(
+        [python, "-c", f"import {module}"],
+        capture_output=True,
+        text=True,
+        cwd=os.path.dirname(python),
+        env=env,
+    )
+    return None if proc.returncode == 0 else (proc.stderr.strip().splitlines() or ["unknown error"])[-1]
+
+
+def _borrow_transformers(python: str) -> tuple[str | None, list[str]]:
+    """If the reference interpreter cannot import transformers, build a folder of symlinks to this
+    interpreter's transformers and to whichever of its dependencies the reference lacks (same Python and
+    torch build), for the reference child's PYTHONPATH. Returns (folder or None, borrowed names)."""
+    import atexit
+    import importlib.util
+    import re
+    import shutil
+    import tempfile
+
+    if _ref_import_error(python, None, "transformers") is None:
+        return None, []
+    shim = tempfile.mkdtemp(prefix="calibrate_bench_shim_")
+    atexit.register(shutil.rmtree, shim, True)  # removes the symlinks, never what they point to
+    borrowed: list[str] = []
+    for _ in range(20):
+        err = _ref_import_error(python, shim, "transformers")
+        if err is None:
+            return shim, borrowed
+        missing = re.match(r"ModuleNotFoundError: No module named '([^'.]+)", err)
+        spec = importlib.util.find_spec(missing.group(1)) if missing else None
+        if spec is None or not spec.origin or missing.group(1) in borrowed:
+            break
+        name = missing.group(1)
+        src = os.path.dirname(spec.origin) if spec.submodule_search_locations else spec.origin
+        os.symlink(src, os.path.join(shim, os.path.basename(src)))
+        borrowed.append(name)
+    return shim, borrowed  # still failing: the child reports the error
+
+
+def _reference_usable(python: str | None) -> tuple[bool, str]:
+    if not python:
+        return False, "no reference python given"
+    if not os.path.exists(python):
+        return False, f"{python} does not exist"
+    err = _ref_import_error(python, None, "modelopt.torch.quantization")
+    if err is not None:
+        return False, f"`import modelopt.torch.quantization` failed: {err}"
+    return True, ""
+
+
+def _measure(
+    config: str,
+    repeats: int,
+    threads: int,
+    sides: dict[str, tuple[str, str | None]],
+    max_other: float,
+    retries: int,
+) -> dict:
+    """Run each side (name -> (python, extra PYTHONPATH)) ``repeats`` times, interleaving the sides run by
+    run so that load from other processes hits both alike; a side stops at its first error. A run during
+    which other processes kept more than ``max_other`` cores busy is run again, up to ``retries`` times
+    (the last try is kept, flagged ``loaded``)."""
+    results: dict[str, dict] = {which: {"runs": []} for which in sides}
+    for i in range(repeats):
+        for which, (python, extra_path) in sides.items():
+            out = results[which]
+            if "error" in out:
+                continue
+            for attempt in range(retries + 1):
+                res = _run_child(python, which, config, threads, extra_path)
+                if "error" in res or not res["other_cores_busy"] > max_other:
+                    break
+                wait = min(30, 5 * 2**attempt)  # let a burst of other work pass
+                note = f", retrying in {wait} s" if attempt < retries else ""
+                print(
+                    f"  {which:<4} {config}: run {i + 1} disturbed ({res['seconds']:.3f} s; other processes "
+                    f"kept {res['other_cores_busy']:.2f} cores busy){note}",
+                    file=sys.stderr, flush=True,
+                )  # fmt: skip
+                if attempt < retries:
+                    time.sleep(wait)
+            if "error" in res:
+                out["error"], out["traceback"] = res["error"], res.get("traceback", "")
+                print(
+                    f"  {which:<4} {config}: run {i + 1} failed: {res['error']}", file=sys.stderr, flush=True
+                )
+                continue
+            res["loaded"] = bool(res["other_cores_busy"] > max_other)
+            out["runs"].append(res)
+            print(
+                f"  {which:<4} {config}: run {i + 1}/{repeats} {res['seconds']:.3f} s, peak RSS "
+                f"{res['peak_rss_mb']:.0f} MB (+{res['peak_rss_mb'] - res['rss_before_mb']:.0f}), "
+                f"{res['enabled_quantizers']}/{res['quantizers']} quantizers on; "
+                f"others {res['other_cores_busy']:.2f} cores",
+                file=sys.stderr, flush=True,
+            )  # fmt: skip
+    for out in results.values():
+        if "error" in out:
+            continue
+        runs = out["runs"]
+        secs = [r["seconds"] for r in runs]
+        out.update(
+            median_s=statistics.median(secs), min_s=min(secs),
+            median_peak_rss_mb=statistics.median(r["peak_rss_mb"] for r in runs),
+            median_rss_delta_mb=statistics.median(r["peak_rss_mb"] - r["rss_before_mb"] for r in runs),
+            loaded_runs=sum(r["loaded"] for r in runs),
+        )  # fmt: skip
+    return results
+
+
+def _time_cell(m: dict | None) -> str:
+    if m is None:
+        return "skipped"
+    if "error" in m:
+        return f"n/a (reason: {m['error']})"
+    return f"{m['median_s']:.3f} ({m['min_s']:.3f})"
+
+
+def _rss_cell(m: dict | None) -> str:
+    if m is None or "error" in m:
+        return "n/a"
+    return f"{m['median_peak_rss_mb']:.0f} (+{m['median_rss_delta_mb']:.0f})"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}" if a is not None and b else "n/a"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="max-calibration time and peak RSS of mtq.quantize")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="2 repeats, FP8 and NVFP4 only (smoke test)")
+    parser.add_argument("--configs", nargs="+", help=f"subset of {CONFIGS}")
+    parser.add_argument("--json", help="write the raw numbers here")
+    parser.add_argument(
+        "--max-other-load", type=float, default=0.25,
+        help="rerun a run during which other processes kept more than this many cores busy",
+    )  # fmt: skip
+    parser.add_argument(
+        "--retries", type=int, default=3, help="reruns per disturbed run, after 5, 10, 20, 30 s"
+    )
+    parser.add_argument(
+        "--reference-python",
+        default=DEFAULT_REFERENCE_PYTHON if os.path.exists(DEFAULT_REFERENCE_PYTHON) else None,
+        help="interpreter with nvidia-modelopt installed (reference column skipped when missing)",
+    )
+    parser.add_argument("--child", choices=["ours", "ref"], help=argparse.SUPPRESS)
+    parser.add_argument("--config", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.child:
+        _child_main(args.child, args.config, args.threads)
+        return
+
+    repeats = 2 if args.quick else args.repeats
+    configs = args.configs or (QUICK_CONFIGS if args.quick else CONFIGS)
+    # ours: make this checkout importable even if the child's cwd is elsewhere
+    repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ref_ok, ref_note = _reference_usable(args.reference_python)
+    print(
+        f"tiny Llama (hidden 256, 4 layers), {NUM_BATCHES} batches of {BATCH}x{SEQ}; threads {args.threads}; "
+        f"repeats {repeats}; each run in a fresh process",
+        flush=True,
+    )
+    ref_path = None
+    if not ref_ok:
+        print(f"note: reference column skipped ({ref_note})", flush=True)
+    else:
+        ref_path, borrowed = _borrow_transformers(args.reference_python)
+        if borrowed:
+            ref_note = (
+                f"{args.reference_python} has no transformers: borrowed {', '.join(borrowed)} from "
+                f"{sys.executable} via PYTHONPATH"
+            )
+            print(f"note: {ref_note}", flush=True)
+
+    rows = []
+    for config in configs:
+        sides = {"ours": (sys.executable, repo_root)}
+        if ref_ok:
+            sides["ref"] = (args.reference_python, ref_path)
+        measured = _measure(config, repeats, args.threads, sides, args.max_other_load, args.retries)
+        ours, ref = measured["ours"], measured.get("ref")
+        rows.append({"config": config, "threads": args.threads, "repeats": repeats, "ours": ours, "ref": ref})
+
+    header = (
+        "| config | ours median s (min) | ref median s (min) | time ratio ours/ref "
+        "| ours peak RSS MB (+delta) | ref peak RSS MB (+delta) | RSS-delta ratio |"
+    )
+    print()
+    print(header)
+    print("|" + "---|" * 7)
+    for row in rows:
+        ours, ref = row["ours"], row["ref"]
+        ok_o, ok_r = "error" not in ours, ref is not None and "error" not in ref
+        t_ratio = _ratio(ours["median_s"] if ok_o else None, ref["median_s"] if ok_r else None)
+        if ok_o and ok_r:
+            t_ratio += f" (mins: {_ratio(ours['min_s'], ref['min_s'])})"
+        m_ratio = _ratio(
+            ours["median_rss_delta_mb"] if ok_o else None, ref["median_rss_delta_mb"] if ok_r else None
+        )
+        print(
+            f"| {row['config']} | {_time_cell(ours)} | {_time_cell(ref)} | {t_ratio} "
+            f"| {_rss_cell(ours)} | {_rss_cell(ref)} | {m_ratio} |"
+        )
+    loaded = sum(m.get("loaded_runs", 0) for row in rows for m in (row["ours"], row["ref"] or {}))
+    if loaded:
+        print(
+            f"\nwarning: {loaded} run(s) stayed disturbed by other processes after {args.retries} retries "
+            "(flagged `loaded` in the JSON); their times are inflated -- compare the mins"
+        )
+    for row in rows:
+        if "error" in row["ours"]:
+            print(
+                f"\nours failed on {row['config']}:\n{row['ours'].get('traceback') or row['ours']['error']}"
+            )
+    if args.json:
+        with open(args.json, "w") as f:
+            meta = {"reference_python": args.reference_python, "reference_note": ref_note}
+            json.dump({**meta, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -3,10 +3,12 @@
 
 from .coverage import coverage_report, reset_coverage, unquantized_experts
 from .experts import EXPERTS_IMPLEMENTATIONS, QuantExperts, experts_implementation_name, is_seam_experts
+from .llama4 import QuantLlama4TextExperts
 
 __all__ = [
     "EXPERTS_IMPLEMENTATIONS",
     "QuantExperts",
+    "QuantLlama4TextExperts",
     "coverage_report",
     "experts_implementation_name",
     "is_seam_experts",

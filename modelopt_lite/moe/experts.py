@@ -63,6 +63,9 @@ class QuantExperts(QuantModule):
     weight as ``(out, in)`` whatever the storage layout (GPT-OSS stores ``(in, out)``)."""
 
     num_experts: int
+    #: Use the stored weights as they are when no weight quantizer would change them (calibration). Only
+    #: ``benchmarks/moe.py`` turns this off, to measure the stacked copy it saves.
+    weight_pass_through: bool = True
     has_gate: bool
     has_bias: bool
     is_transposed: bool
@@ -94,7 +97,7 @@ class QuantExperts(QuantModule):
         """The 3-D weight with each expert fake-quantized by its own quantizer; the parameter itself when no
         quantizer of ``proj`` would change it (calibration, or all disabled)."""
         quantizers = getattr(self, f"{proj}_weight_quantizers")
-        if not any(q.is_enabled and q._quant_enabled for q in quantizers):
+        if self.weight_pass_through and not any(q.is_enabled and q._quant_enabled for q in quantizers):
             return getattr(self, proj)
         rows = [q(self.expert_weight(proj, i)) for i, q in enumerate(quantizers)]
         if self.is_transposed:
@@ -109,6 +112,11 @@ class QuantExperts(QuantModule):
                 getattr(self, proj).copy_(self.quantized_weight(proj))
                 for q in quantizers:
                     q.disable()
+
+    #: ``fn(projection, expert, rows)``: when set, each forward shows it every expert's input rows of
+    #: both projections (what the grouped GEMM computes, split by the cumulative offsets). Calibration
+    #: algorithms that need each expert's own inputs (GPTQ, AWQ) set it.
+    input_observer: Callable[[str, int, torch.Tensor], None] | None = None
 
     def _teardown(self) -> None:
         super()._teardown()
@@ -137,10 +145,24 @@ class QuantExperts(QuantModule):
             )
         return super().forward(*args, **kwargs)
 
-    def _gate(self) -> Callable[[torch.Tensor], torch.Tensor]:
+    def _gate(self, counts: list[int] | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The gate (or activation) followed by ``down_proj_input_quantizer``; with ``counts`` (rows per
+        expert of an expert-sorted batch) the result is also shown to the input observer, split per expert."""
         inner = self._module_gate()
         down_q = self.down_proj_input_quantizer
-        return lambda t: down_q(inner(t))
+
+        def gate(t: torch.Tensor) -> torch.Tensor:
+            out = down_q(inner(t))
+            if counts is not None:
+                self._observe("down_proj", out, counts)
+            return out
+
+        return gate
+
+    def _observe(self, proj: str, rows: torch.Tensor, counts: list[int]) -> None:
+        for expert, chunk in enumerate(torch.split(rows, counts)):
+            if chunk.shape[0]:
+                self.input_observer(proj, expert, chunk)
 
     def _module_gate(self) -> Callable[[torch.Tensor], torch.Tensor]:
         return self._apply_gate if self.has_gate else self.act_fn
@@ -153,7 +175,15 @@ class QuantExperts(QuantModule):
 def _grouped_forward(module: QuantExperts, hidden_states, top_k_index, top_k_weights):
     hidden_states = module._prepare(hidden_states, top_k_index)
     weights = {p: module.quantized_weight(p) for p in module._projections}
-    view = _QuantizedView(module, weights, module._gate())
+    counts = None
+    if (
+        module.input_observer is not None
+    ):  # the expert-sorted rows, as transformers' grouped forward sorts them
+        ids, perm = torch.sort(top_k_index.reshape(-1))
+        counts = torch.bincount(ids[ids < module.num_experts], minlength=module.num_experts).tolist()
+        rows = hidden_states[perm[: sum(counts)] // top_k_index.shape[-1]]
+        module._observe(module._projections[0], rows, counts)
+    view = _QuantizedView(module, weights, module._gate(counts))
     return grouped_mm_experts_forward(view, hidden_states, top_k_index, top_k_weights)
 
 
@@ -177,7 +207,12 @@ def _eager_forward(module: QuantExperts, hidden_states, top_k_index, top_k_weigh
         k_pos, token_idx = torch.where(mask[expert])
         b1 = getattr(module, f"{first}_bias")[expert] if module.has_bias else None
         b2 = module.down_proj_bias[expert] if module.has_bias else None
-        h = gate(_linear(hidden_states[token_idx], w_first[expert], b1, module.is_transposed))
+        x = hidden_states[token_idx]
+        if module.input_observer is not None:
+            module.input_observer(first, expert, x)
+        h = gate(_linear(x, w_first[expert], b1, module.is_transposed))
+        if module.input_observer is not None:
+            module.input_observer(down, expert, h)
         h = _linear(h, w_down[expert], b2, module.is_transposed)
         if module.has_post_expert_norm:
             h = module.post_expert_norm(h)

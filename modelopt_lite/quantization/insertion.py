@@ -49,10 +49,10 @@ def insert_quantizers(model: nn.Module, experts_implementation: str | None = Non
             continue
         if QUANT_MODULES.convert(module):
             converted.append(name)
-        elif (base := QUANT_MODULES.shadowed_subclasses(type(module))) is not None:
+        elif (base := QUANT_MODULES.shadowed_subclasses(type(module))) is not None and not _excluded(name):
             shadowed[name] = f"{type(module).__qualname__} (overrides {base.__name__}.forward)"
     unwrapped_experts = [
-        f"{name} ({type(module).__qualname__})"
+        f"{name or '<model>'} ({type(module).__qualname__})"
         for name, module in model.named_modules()
         if not isinstance(module, QuantModule) and any(p.ndim == 3 for p in module.parameters(recurse=False))
     ]
@@ -103,6 +103,12 @@ def use_experts_implementation(model: nn.Module, choice: str | None = None) -> s
                 if isinstance(module, QuantExperts):
                     module.config._experts_implementation = target
     return target
+
+
+def _excluded(module_name: str) -> bool:
+    """Whether the standard exclusions (routers, lm_head, vision towers, ...) cover this module anyway."""
+    probe = f"{module_name}.weight_quantizer"
+    return any(p is None and fnmatch.fnmatchcase(probe, q) for q, p in _STANDARD)
 
 
 def snapshot_implementations(model: nn.Module) -> dict[str, str | None]:

@@ -235,3 +235,79 @@ def test_empty_batch_and_unmatched_expert_patterns(lib_caplog):
         for r in lib_caplog.records
         if r.levelname == "WARNING"
     )
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_input_observer_sees_each_experts_rows_on_both_paths(family):
+    seen = {}
+    for impl in ("grouped_mm", "eager"):
+        model = FAMILIES[family]()
+        mtq.quantize(model, mtq.NVFP4_DEFAULT_CFG, batches(), experts_implementation=impl)
+        experts = model.model.layers[1].mlp.experts
+        rows: dict = {}
+        experts.input_observer = lambda proj, e, x, rows=rows: rows.setdefault((proj, e), []).append(
+            x.detach()
+        )
+        experts.reset_coverage()
+        model(batches()[0])
+        seen[impl] = {k: torch.cat(v) for k, v in rows.items()}
+        for e, count in enumerate(experts.tokens_per_expert.tolist()):
+            for proj in ("gate_up_proj", "down_proj"):
+                assert seen[impl].get((proj, e), torch.zeros(0, 1)).shape[0] == count, (impl, proj, e)
+    assert seen["grouped_mm"].keys() == seen["eager"].keys()
+    for key, x in seen["grouped_mm"].items():
+        y = seen["eager"][key]
+        assert x.shape == y.shape, key
+        # the same rows, possibly in another order within the expert
+        assert torch.allclose(x.sum(1).sort().values, y.sum(1).sort().values, atol=1e-4), key
+
+
+def test_llama4_text_experts_have_an_explicit_wrapper(lib_caplog):
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    from modelopt_lite.moe import QuantLlama4TextExperts
+
+    def build():
+        torch.manual_seed(0)
+        sizes = {"hidden_size": 64, "intermediate_size": 32, "intermediate_size_mlp": 128, "head_dim": 16}
+        cfg = Llama4TextConfig(
+            **sizes,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=1,
+            vocab_size=VOCAB,
+            max_position_embeddings=64,
+            interleave_moe_layer_step=1,
+            attn_implementation="sdpa",
+        )
+        return Llama4ForCausalLM(cfg).eval()
+
+    model, reference = build(), build()
+    ids = batches()[0]
+    mtq.quantize(model, mtq.NVFP4_DEFAULT_CFG, batches())
+    experts = model.model.layers[0].feed_forward.experts
+    assert isinstance(experts, QuantLlama4TextExperts)
+    for i, q in enumerate(experts.down_proj_weight_quantizers):
+        assert torch.equal(q.amax, experts.down_proj[i].abs().amax())
+    assert not any("Llama4Router" in r.getMessage() for r in lib_caplog.records)  # excluded anyway
+    on = [q for _, q in mtq.iter_quantizers(model) if q.is_enabled]
+    assert not torch.equal(model(ids).logits, reference(ids).logits)
+    for q in on:
+        q.disable()
+    assert torch.equal(model(ids).logits, reference(ids).logits)
+
+
+def test_expert_classes_without_a_wrapper_are_an_error():
+    class Experts3D(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(4, 8, 8))
+            self.proj = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.proj(torch.einsum("eij,bj->bi", self.w, x))
+
+    with pytest.raises(ValueError, match=r"no wrapper.*Experts3D"):
+        mtq.quantize(Experts3D(), mtq.INT8_WEIGHT_ONLY_CFG)

@@ -3,7 +3,7 @@ estimator, E2M1 packing, and Triton kernels used automatically on CUDA tensors."
 
 from ._blocks import BlockLayout
 from .fp8 import fp8_fake_quant
-from .functional import fake_quant, fake_quant_reference, reduce_amax, reduce_axes
+from .functional import fake_quant, fake_quant_reference, reduce_amax, reduce_axes, reduce_like_amax
 from .integer import int_bounds, int_fake_quant
 from .mx import mx_fake_quant, mx_scale_exponent
 from .nvfp4 import (
@@ -35,6 +35,7 @@ __all__ = [
     "pack_e2m1",
     "reduce_amax",
     "reduce_axes",
+    "reduce_like_amax",
     "resolve_format",
     "unpack_e2m1",
 ]

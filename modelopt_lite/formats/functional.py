@@ -18,7 +18,7 @@ from .mx import mx_fake_quant
 from .nvfp4 import nvfp4_fake_quant
 from .spec import FormatSpec
 
-__all__ = ["fake_quant", "fake_quant_reference", "reduce_amax", "reduce_axes"]
+__all__ = ["fake_quant", "fake_quant_reference", "reduce_amax", "reduce_axes", "reduce_like_amax"]
 
 
 def reduce_axes(spec: FormatSpec, ndim: int) -> tuple[int, ...] | None:
@@ -41,14 +41,19 @@ def reduce_amax(x: torch.Tensor, spec: FormatSpec) -> torch.Tensor:
     Per tensor: a scalar; per channel: ``keepdim`` shape; static blocks: ``(num_blocks, 1)``;
     NVFP4: the per-tensor (global) amax.
     """
-    mag = x.detach().abs().float()
+    return reduce_like_amax(x.detach().abs().float(), spec, "amax")
+
+
+def reduce_like_amax(x: torch.Tensor, spec: FormatSpec, op: str = "sum") -> torch.Tensor:
+    """Reduce ``x`` (``"sum"`` or ``"amax"``) to the shape of the spec's amax: one value per amax element
+    (e.g. the squared quantization error that each per-channel / per-block amax is responsible for)."""
     axes = reduce_axes(spec, x.ndim)
     if axes is None:
         layout = BlockLayout.build(x.shape, spec.block_sizes)
-        return layout.split(mag).amax(dim=-1, keepdim=True)
+        return getattr(layout.split(x), op)(dim=-1, keepdim=True)
     if len(axes) == x.ndim:
-        return mag.amax()
-    return mag.amax(dim=axes, keepdim=True)
+        return getattr(x, op)()
+    return getattr(x, op)(dim=axes, keepdim=True)
 
 
 def _prepared(spec: FormatSpec, amax: torch.Tensor, device: torch.device):

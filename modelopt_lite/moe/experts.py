@@ -152,10 +152,10 @@ class QuantExperts(QuantModule):
         down_q = self.down_proj_input_quantizer
 
         def gate(t: torch.Tensor) -> torch.Tensor:
-            out = down_q(inner(t))
+            out = inner(t)
             if counts is not None:
                 self._observe("down_proj", out, counts)
-            return out
+            return down_q(out)
 
         return gate
 
@@ -173,16 +173,15 @@ class QuantExperts(QuantModule):
 
 
 def _grouped_forward(module: QuantExperts, hidden_states, top_k_index, top_k_weights):
-    hidden_states = module._prepare(hidden_states, top_k_index)
-    weights = {p: module.quantized_weight(p) for p in module._projections}
     counts = None
-    if (
-        module.input_observer is not None
-    ):  # the expert-sorted rows, as transformers' grouped forward sorts them
+    if module.input_observer is not None:
+        # the expert-sorted rows, sorted as transformers' grouped forward sorts them
         ids, perm = torch.sort(top_k_index.reshape(-1))
         counts = torch.bincount(ids[ids < module.num_experts], minlength=module.num_experts).tolist()
         rows = hidden_states[perm[: sum(counts)] // top_k_index.shape[-1]]
         module._observe(module._projections[0], rows, counts)
+    hidden_states = module._prepare(hidden_states, top_k_index)
+    weights = {p: module.quantized_weight(p) for p in module._projections}
     view = _QuantizedView(module, weights, module._gate(counts))
     return grouped_mm_experts_forward(view, hidden_states, top_k_index, top_k_weights)
 
@@ -193,10 +192,11 @@ def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, transposed
 
 
 def _eager_forward(module: QuantExperts, hidden_states, top_k_index, top_k_weights):
+    raw = hidden_states
     hidden_states = module._prepare(hidden_states, top_k_index)
     first, down = module._projections
     w_first, w_down = module.quantized_weight(first), module.quantized_weight(down)
-    gate = module._gate()
+    inner, down_q = module._module_gate(), module.down_proj_input_quantizer
     out = torch.zeros_like(hidden_states)
     with torch.no_grad():  # rows per expert in the order transformers' eager forwards use (k, then token)
         mask = F.one_hot(top_k_index, num_classes=module.num_experts + 1).permute(2, 1, 0)
@@ -207,12 +207,12 @@ def _eager_forward(module: QuantExperts, hidden_states, top_k_index, top_k_weigh
         k_pos, token_idx = torch.where(mask[expert])
         b1 = getattr(module, f"{first}_bias")[expert] if module.has_bias else None
         b2 = module.down_proj_bias[expert] if module.has_bias else None
-        x = hidden_states[token_idx]
         if module.input_observer is not None:
-            module.input_observer(first, expert, x)
-        h = gate(_linear(x, w_first[expert], b1, module.is_transposed))
+            module.input_observer(first, expert, raw[token_idx])
+        h = inner(_linear(hidden_states[token_idx], w_first[expert], b1, module.is_transposed))
         if module.input_observer is not None:
             module.input_observer(down, expert, h)
+        h = down_q(h)
         h = _linear(h, w_down[expert], b2, module.is_transposed)
         if module.has_post_expert_norm:
             h = module.post_expert_norm(h)

@@ -29,13 +29,14 @@ class QuantLlama4TextExperts(QuantExperts):
         x = hidden_states.view(self.num_experts, -1, self.hidden_size)
         self.forward_calls += 1
         self.tokens_per_expert += x.shape[1]
-        x = self.gate_up_proj_input_quantizer(x)
         if self.input_observer is not None:
             for expert in range(self.num_experts):
                 self.input_observer("gate_up_proj", expert, x[expert])
+        x = self.gate_up_proj_input_quantizer(x)
         gate, up = torch.bmm(x, self.quantized_weight("gate_up_proj")).chunk(2, dim=-1)
-        h = self.down_proj_input_quantizer(up * self.act_fn(gate))
+        h = up * self.act_fn(gate)
         if self.input_observer is not None:
             for expert in range(self.num_experts):
                 self.input_observer("down_proj", expert, h[expert])
+        h = self.down_proj_input_quantizer(h)
         return torch.bmm(h, self.quantized_weight("down_proj")).view(-1, self.hidden_size)

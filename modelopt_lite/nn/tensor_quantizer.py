@@ -208,10 +208,12 @@ class TensorQuantizer(nn.Module):
 
     # ----------------------------------------------------------------------- forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self._attrs.enable or x.numel() == 0:
-            return x
+        # pre_quant_scale (SmoothQuant / AWQ smoothing, folded into the weight) is part of the layer's math:
+        # it applies whether or not this quantizer quantizes.
         if self._pre_quant_scale is not None:
             x = x * self._pre_quant_scale.to(x.dtype)
+        if not self._attrs.enable or x.numel() == 0:
+            return x
         if self._calib_enabled:
             if self._spec.kind == "int" and self._attrs.unsigned and bool((x < 0).any()):
                 raise ValueError(f"{self.name}: unsigned=True quantizer received negative input")

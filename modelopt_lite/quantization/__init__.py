@@ -7,6 +7,7 @@ Presets are plain dicts under the reference library's names; recipes are YAML fi
 """
 
 from ..nn import QUANT_MODULES, QuantModule, SequentialQuantizer, TensorQuantizer, iter_quantizers
+from . import awq, gptq, mse, smoothquant  # noqa: F401  (algorithms register at definition time)
 from .calibrate import calibrate, check_calibrated, register_algorithm, run_forward_loop
 from .config import QuantizeConfig, QuantRule, quantizer_attributes
 from .insertion import insert_quantizers

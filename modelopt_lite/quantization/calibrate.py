@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -25,8 +26,10 @@ from .config import ALGORITHMS
 __all__ = [
     "ForwardLoop",
     "calibrate",
+    "calibration_mode",
     "check_algorithm",
     "check_calibrated",
+    "max_calibrate",
     "register_algorithm",
     "run_forward_loop",
 ]
@@ -140,22 +143,37 @@ def max_calibrate(model: nn.Module, forward_loop: ForwardLoop | None, **options:
                 q.calibrate(weight.detach())
 
 
-def _collect_activations(
-    model: nn.Module, activations: list[TensorQuantizer], forward_loop: ForwardLoop
-) -> None:
+@contextmanager
+def calibration_mode(model: nn.Module, collect: list[TensorQuantizer] = ()) -> Iterator[None]:
+    """Fake quant off everywhere, ``collect`` gathering statistics, eval mode; everything restored on exit
+    (also when the body raises). Forward passes inside run under ``torch.no_grad``."""
     everything = [s for _, q in iter_quantizers(model) for s in _stages(q)]
     modes = [(q, q._quant_enabled, q._calib_enabled) for q in everything]
     training = [(m, m.training) for m in model.modules()]
     try:
         for q in everything:
             q.disable_quant()
-        for q in activations:
+        for q in collect:
             q.calibrator.reset()
             q.enable_calib()
         model.eval()
-        reset_coverage(model)
         with torch.no_grad():
-            run_forward_loop(model, forward_loop, desc="calibration")
+            yield
+    finally:
+        for q, quant, calib in modes:
+            q._quant_enabled, q._calib_enabled = quant, calib
+        for q in collect:
+            q.calibrator.reset()
+        for module, mode in training:
+            module.training = mode
+
+
+def _collect_activations(
+    model: nn.Module, activations: list[TensorQuantizer], forward_loop: ForwardLoop
+) -> None:
+    with calibration_mode(model, activations):
+        reset_coverage(model)
+        run_forward_loop(model, forward_loop, desc="calibration")
         _log_expert_coverage(model)
         empty = [q.name for q in activations if q.calibrator.num_batches == 0]
         if empty:
@@ -166,13 +184,6 @@ def _collect_activations(
             )
         for q in activations:
             q.load_calib_amax()
-    finally:
-        for q, quant, calib in modes:
-            q._quant_enabled, q._calib_enabled = quant, calib
-        for q in activations:
-            q.calibrator.reset()
-        for module, mode in training:
-            module.training = mode
 
 
 def _log_expert_coverage(model: nn.Module) -> None:

@@ -1,0 +1,173 @@
+"""Activation-aware weight quantization.
+
+* ``awq_lite``: per group of layers reading the same input, search ``alpha`` on a grid of step
+  ``alpha_step`` for the input-channel scale ``s = mean|X|**alpha / w_mag**(1 - alpha)`` (normalised) that
+  minimises ``|| X W^T - (X / s) Q(W s)^T ||^2`` on sample inputs; apply it like SmoothQuant
+  (``pre_quant_scale = 1 / s``, weight columns times ``s``).
+* ``awq_clip``: per weight block (per channel for per-channel formats), search the amax ratio on
+  ``clip_ratios`` minimising the block's contribution to the output error ``d^T (X_b^T X_b) d``; formats
+  with one global amax (NVFP4, FP8 per tensor) search one ratio per weight.
+* ``awq_full``: lite, then clip.
+
+Each expert is searched on its own tokens; an expert that received none keeps its max-calibrated amax
+(logged at INFO with the count). Targets are processed one transformer block at a time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..formats import BlockLayout
+from ..logging import get_logger
+from ..nn import TensorQuantizer
+from .calibrate import ForwardLoop, calibration_mode, max_calibrate, register_algorithm, run_forward_loop
+from .layers import Target, blocks, capture, groups, linear_targets
+from .search import quantize_like
+from .smoothquant import apply_input_scale, require_data
+
+__all__ = ["awq_clip", "awq_full", "awq_lite"]
+
+logger = get_logger(__name__)
+_CLIP_RATIOS = tuple(round(1.0 - 0.05 * i, 2) for i in range(11))  # 1.0 .. 0.5
+
+
+def _weight_targets(model: nn.Module, name: str) -> list[Target]:
+    targets = [t for t in linear_targets(model) if t.weight_quantizer.is_enabled]
+    if not targets:
+        raise ValueError(f"{name}: no enabled weight quantizer to search for")
+    return targets
+
+
+def _weight_magnitude(group: list[Target], block: int) -> torch.Tensor:
+    """Mean over output rows of ``|W|`` normalised by each row-block's max (one value per input channel)."""
+    mags = []
+    for t in group:
+        w = t.weight().detach().abs().float()
+        layout = BlockLayout.build(w.shape, {-1: min(block, w.shape[-1])})
+        blocks_ = layout.split(w)
+        norm = blocks_ / blocks_.amax(-1, keepdim=True).clamp_min(1e-12)
+        mags.append(layout.merge(norm).mean(0))
+    return torch.stack(mags).mean(0)
+
+
+@torch.no_grad()
+def _group_loss(group: list[Target], samples: dict[str, torch.Tensor], s: torch.Tensor) -> float:
+    loss = 0.0
+    for t in group:
+        x = samples.get(t.name)
+        if x is None:
+            continue
+        w = t.weight().detach().float()
+        xs = x / s
+        if t.input_quantizer.is_enabled:
+            xs = quantize_like(t.input_quantizer, xs)
+        out = xs @ quantize_like(t.weight_quantizer, w * s).t()
+        loss += float((x @ w.t() - out).pow(2).sum())
+    return loss
+
+
+def _lite_group(group: list[Target], stats: dict, alpha_step: float) -> float | None:
+    seen = [stats[t.name] for t in group if stats[t.name].count]
+    if not seen:
+        return None
+    act = torch.stack([st.abssum for st in seen]).sum(0) / sum(st.count for st in seen)
+    block = getattr(group[0].weight_quantizer, "block_sizes", None) or {}
+    wmag = _weight_magnitude(group, block.get(-1) or group[0].weight().shape[-1])
+    samples = {t.name: stats[t.name].sample() for t in group if stats[t.name].count}
+    best, best_alpha, best_s = None, None, None
+    steps = max(1, round(1.0 / alpha_step))
+    for i in range(steps + 1):
+        alpha = i / steps
+        s = act.clamp_min(1e-8).pow(alpha) / wmag.clamp_min(1e-8).pow(1.0 - alpha)
+        s = (s / (s.max() * s.min()).sqrt()).clamp(1e-4, 1e4)
+        loss = _group_loss(group, samples, s)
+        if best is None or loss < best:
+            best, best_alpha, best_s = loss, alpha, s
+    apply_input_scale(group, best_s)
+    return best_alpha
+
+
+@torch.no_grad()
+def _clip_target(t: Target, x: torch.Tensor, ratios: tuple[float, ...]) -> None:
+    """Search the amax ratio per amax element (last-axis blocks or output channels: the output error
+    separates into one term per block, ``d_b^T G_b d_b`` with ``G_b = X_b^T X_b``), or one ratio for
+    formats with a single amax."""
+    q = t.weight_quantizer
+    if not isinstance(q, TensorQuantizer) or not q.spec.needs_amax or q.amax is None:
+        return
+    w = t.weight().detach().float()
+    spec, amax = q.spec, q.amax
+    last_axis_blocks = spec.kind in ("int", "fp8") and list(spec.block_sizes) == [-1]
+    per_channel = spec.kind in ("int", "fp8") and spec.axis in (0, -2) and amax.numel() == w.shape[0]
+    if last_axis_blocks:
+        layout = BlockLayout.build(w.shape, spec.block_sizes)
+        xb = BlockLayout.build(x.shape, spec.block_sizes).split(x).view(x.shape[0], -1, layout.block_numel)
+        gram = torch.einsum("tnb,tnc->nbc", xb, xb)
+    errors = []
+    for r in ratios:
+        d = w - quantize_like(q, w, amax * r).float()
+        if last_axis_blocks:
+            db = layout.split(d).view(d.shape[0], xb.shape[1], -1)
+            errors.append(torch.einsum("onb,nbc,onc->on", db, gram, db).reshape(amax.shape))
+        elif per_channel:
+            errors.append((x @ d.t()).pow(2).sum(0).reshape(amax.shape))
+        else:
+            errors.append((x @ d.t()).pow(2).sum().reshape(amax.shape if amax.numel() == 1 else ()))
+    err = torch.stack(errors)
+    best = torch.tensor(ratios, dtype=torch.float32)[err.argmin(0)]
+    q.amax = amax * best
+
+
+def _run(model: nn.Module, forward_loop: ForwardLoop | None, name: str, lite: bool, clip: bool, opts) -> None:
+    require_data(name, forward_loop)
+    alpha_step = float(opts.pop("alpha_step", 0.1))
+    ratios = tuple(opts.pop("clip_ratios", _CLIP_RATIOS))
+    max_rows = int(opts.pop("max_tokens", 2048))
+    if opts:
+        raise ValueError(f"{name}: unknown option(s) {sorted(opts)} (alpha_step, clip_ratios, max_tokens)")
+    if not 0 < alpha_step <= 1:
+        raise ValueError(f"{name}: alpha_step={alpha_step} must lie in (0, 1]")
+    targets = _weight_targets(model, name)
+    alphas, idle = [], 0
+    if lite:
+        for block in blocks(targets):
+            with calibration_mode(model), capture(block, max_rows=max_rows) as stats:
+                run_forward_loop(model, forward_loop, desc=f"{name} block")
+            idle += sum(t.expert is not None and not stats[t.name].count for t in block)
+            alphas += [
+                a for g in groups(block, stats) if (a := _lite_group(g, stats, alpha_step)) is not None
+            ]
+    max_calibrate(model, forward_loop)
+    if clip:
+        for block in blocks(targets):
+            with calibration_mode(model), capture(block, max_rows=max_rows) as stats:
+                run_forward_loop(model, forward_loop, desc=f"{name} clip block")
+            for t in block:
+                if stats[t.name].count:
+                    _clip_target(t, stats[t.name].sample(), ratios)
+                elif not lite and t.expert is not None:
+                    idle += 1
+    if idle:
+        logger.info(
+            "%s: %d expert weight(s) received no calibration tokens and keep max calibration", name, idle
+        )
+    if alphas:
+        logger.info("%s: %d group(s) smoothed, mean alpha %.2f", name, len(alphas), sum(alphas) / len(alphas))
+
+
+@register_algorithm("awq_lite")
+def awq_lite(model: nn.Module, forward_loop: ForwardLoop | None, **options: Any) -> None:
+    _run(model, forward_loop, "awq_lite", True, False, dict(options))
+
+
+@register_algorithm("awq_clip")
+def awq_clip(model: nn.Module, forward_loop: ForwardLoop | None, **options: Any) -> None:
+    _run(model, forward_loop, "awq_clip", False, True, dict(options))
+
+
+@register_algorithm("awq_full")
+def awq_full(model: nn.Module, forward_loop: ForwardLoop | None, **options: Any) -> None:
+    _run(model, forward_loop, "awq_full", True, True, dict(options))

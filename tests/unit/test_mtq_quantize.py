@@ -10,7 +10,6 @@ from modelopt_lite.nn import QuantModule, SequentialQuantizer, TensorQuantizer
 from ._models import BUILDERS, batches, tiny_gpt2, tiny_llama, tiny_qwen3_moe
 
 PRESETS = sorted(mtq.PRESETS)
-AVAILABLE = {"max", None}
 
 
 def _config(name):
@@ -29,11 +28,7 @@ def _enabled(model):
 def test_every_preset_quantizes_calibrates_and_trains(arch, preset):
     model = BUILDERS[arch]()
     data = batches()
-    cfg, algo = _config(preset)
-    if algo not in AVAILABLE:  # algorithms of the next release: loud, never a silent fallback to max
-        with pytest.raises(NotImplementedError, match=repr(algo)):
-            mtq.quantize(BUILDERS[arch](), cfg, data)
-        cfg["algorithm"] = "max"
+    cfg, _ = _config(preset)
     mtq.quantize(model, cfg, data)
     enabled = _enabled(model)
     weights = [n for n in enabled if n.endswith("weight_quantizer")]
@@ -275,13 +270,18 @@ def test_calibration_restores_training_mode_and_quantizer_modes():
         assert not q._calib_enabled
 
 
-def test_unavailable_algorithm_fails_before_touching_the_model():
+def test_bad_algorithms_fail_before_touching_the_model():
     model = tiny_llama()
-    with pytest.raises(NotImplementedError, match="awq_lite"):
-        mtq.quantize(model, mtq.INT4_AWQ_CFG, batches())
-    assert not any(isinstance(m, QuantModule) for m in model.modules())
+    with pytest.raises(ValueError, match=r"unknown calibration algorithm 'magic' \(available: \['awq_clip'"):
+        mtq.calibrate(model, "magic", batches())
     with pytest.raises(ValueError, match="needs a 'method'"):
         mtq.calibrate(model, {"mthod": "max"}, batches())
+    with pytest.raises(ValueError, match="'awq_lite' needs calibration data"):
+        mtq.quantize(model, mtq.INT4_AWQ_CFG)  # no forward_loop: rolled back
+    assert not any(isinstance(m, QuantModule) for m in model.modules())
+    with pytest.raises(ValueError, match="smoothquant needs layers whose input and weight quantizers"):
+        mtq.quantize(model, mtq.get_preset("INT8_WEIGHT_ONLY_CFG") | {"algorithm": "smoothquant"}, batches())
+    assert mtq.quant_state(model) is None
 
 
 def test_sequential_input_quantizer_is_refused_and_rolled_back():

@@ -1,0 +1,196 @@
+"""Calibration algorithms (SmoothQuant, AWQ, GPTQ, MSE): each lowers the error it targets compared with max
+calibration, keeps the function where it only rescales, and runs on fused MoE experts per expert."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import modelopt_lite.quantization as mtq
+from modelopt_lite.quantization.gptq import gptq_quantize_weight
+from modelopt_lite.quantization.layers import blocks, linear_targets
+
+from ._models import batches, tiny_llama, tiny_qwen3_moe
+
+NVFP4 = mtq.NVFP4_DEFAULT_CFG["quant_cfg"][1]["cfg"]
+INT4_BLOCK = {"num_bits": 4, "block_sizes": {-1: 32}}
+
+
+def _inputs(n=512, dim=64, outliers=(), correlated=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, dim, generator=g)
+    if correlated:
+        basis = torch.randn(dim, dim, generator=g) * torch.logspace(0, -2, dim).unsqueeze(1)
+        x = x @ basis
+    for c in outliers:
+        x[:, c] *= 40.0
+    return x
+
+
+def _layer(seed=0, dim=64):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(dim, dim, bias=False)).eval()
+
+
+def _error(model, reference, x):
+    with torch.no_grad():
+        y = reference(x)
+        return float((model(x) - y).pow(2).sum() / y.pow(2).sum())
+
+
+def _run(cfg_weight, cfg_input, algorithm, x, seed=0):
+    reference = _layer(seed)
+    model = copy.deepcopy(reference)
+    rules = [
+        {"quantizer_name": "*", "enable": False},
+        {"quantizer_name": "*weight_quantizer", "cfg": cfg_weight},
+    ]
+    if cfg_input is not None:
+        rules.append({"quantizer_name": "*input_quantizer", "cfg": cfg_input})
+    calib = list(x.split(128))
+    mtq.quantize(model, {"quant_cfg": rules, "algorithm": algorithm}, calib)
+    return model, reference
+
+
+def test_smoothquant_moves_activation_outliers_into_the_weights():
+    x = _inputs(outliers=(3, 17))
+    errors = {}
+    for algo in ("max", "smoothquant"):
+        model, reference = _run({"num_bits": 8, "axis": 0}, {"num_bits": 8}, algo, x)
+        errors[algo] = _error(model, reference, x)
+    assert errors["smoothquant"] < 0.5 * errors["max"], errors
+    q = model[0].input_quantizer
+    assert q.pre_quant_scale.shape == (64,)
+    assert q.pre_quant_scale[3] < q.pre_quant_scale[0]  # outlier channels are scaled down
+    for _, quantizer in mtq.iter_quantizers(model):
+        quantizer.disable()  # pre_quant_scale stays: smoothing alone keeps the function
+    assert torch.allclose(model(x), reference(x), rtol=1e-4, atol=1e-4)
+
+
+def test_smoothquant_shares_one_scale_across_layers_reading_the_same_input():
+    model = tiny_llama()
+    mtq.quantize(model, mtq.INT8_SMOOTHQUANT_CFG, batches())
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    scales = [attn.q_proj, attn.k_proj, attn.v_proj]
+    assert all(torch.equal(m.input_quantizer.pre_quant_scale, attn.q_proj.input_quantizer.pre_quant_scale)
+               for m in scales)  # fmt: skip
+    assert torch.equal(
+        mlp.gate_proj.input_quantizer.pre_quant_scale, mlp.up_proj.input_quantizer.pre_quant_scale
+    )
+    assert not torch.equal(
+        attn.o_proj.input_quantizer.pre_quant_scale, attn.q_proj.input_quantizer.pre_quant_scale
+    )
+
+
+@pytest.mark.parametrize("algorithm", ["awq_lite", "awq_clip", "awq_full", "gptq", "mse"])
+def test_weight_algorithms_beat_max_on_int4_blocks(algorithm):
+    x = _inputs(outliers=(5, 40), correlated=True)
+    base, reference = _run(INT4_BLOCK, None, "max", x)
+    model, _ = _run(INT4_BLOCK, None, algorithm, x)
+    assert _error(model, reference, x) < _error(base, reference, x)
+
+
+@pytest.mark.parametrize("algorithm", ["awq_lite", "gptq"])
+def test_weight_algorithms_beat_max_on_nvfp4(algorithm):
+    x = _inputs(outliers=(5, 40), correlated=True)
+    base, reference = _run(NVFP4, None, "max", x)
+    model, _ = _run(NVFP4, None, algorithm, x)
+    assert _error(model, reference, x) < _error(base, reference, x)
+
+
+@pytest.mark.parametrize(("cfg", "strict"), [(INT4_BLOCK, True), (NVFP4, False)])
+def test_mse_lowers_the_weight_quantization_error(cfg, strict):
+    x = _inputs()
+    errors = {}
+    for algo in ("max", "mse"):
+        model, _ = _run(cfg, None, algo, x)
+        w = model[0].weight.detach()
+        errors[algo] = float((model[0].weight_quantizer(w) - w).pow(2).sum())
+    assert errors["mse"] < errors["max"] if strict else errors["mse"] <= errors["max"]
+
+
+def test_gptq_weights_are_reproduced_exactly_by_fake_quant():
+    x = _inputs(correlated=True)
+    model, _ = _run(INT4_BLOCK, None, "gptq", x)
+    layer = model[0]
+    assert torch.equal(layer.weight_quantizer(layer.weight), layer.weight)
+
+
+def test_gptq_damps_a_singular_hessian_and_zeroes_dead_channels():
+    x = _inputs(n=8)  # rank 8 < 64: singular X^T X
+    x[:, 7] = 0.0  # a dead input channel
+    q = mtq.TensorQuantizer("w", num_bits=4, block_sizes={-1: 32})
+    w = torch.randn(16, 64)
+    out, scales = gptq_quantize_weight(q, w, 2 * x.t() @ x / 8)
+    assert torch.isfinite(out).all()
+    assert (out[:, 7] == 0).all()
+    assert len(scales) == 2
+    act, _ = gptq_quantize_weight(q, w, 2 * x.t() @ x / 8, act_order=True)
+    assert torch.isfinite(act).all()
+
+
+def test_gptq_rejects_formats_it_cannot_handle():
+    model = tiny_llama()
+    cfg = mtq.get_preset("MXFP4_DEFAULT_CFG") | {"algorithm": "gptq"}
+    with pytest.raises(ValueError, match="gptq supports"):
+        mtq.quantize(model, cfg, batches())
+    assert mtq.quant_state(model) is None
+
+
+def test_algorithm_options_are_validated():
+    x = list(_inputs().split(128))
+    for algorithm, match in [({"method": "gptq", "blocksize": 64}, "unknown option"),
+                             ({"method": "awq_lite", "alpha_step": 0}, "alpha_step"),
+                             ({"method": "smoothquant", "alpha": 2}, "alpha"),
+                             ({"method": "mse", "fp8_scale_sweep": True}, "not implemented")]:  # fmt: skip
+        cfg = {"quant_cfg": [{"quantizer_name": "*", "cfg": {"num_bits": 8}}], "algorithm": algorithm}
+        with pytest.raises((ValueError, NotImplementedError), match=match):
+            mtq.quantize(_layer(), cfg, x)
+
+
+def test_blocks_group_targets_per_transformer_layer():
+    model = tiny_llama(layers=3)
+    mtq.quantize(model, mtq.INT4_BLOCKWISE_WEIGHT_ONLY_CFG)
+    groups = blocks(linear_targets(model))
+    assert [len(g) for g in groups] == [7, 7, 7, 1]  # three layers, then lm_head on its own
+
+
+@pytest.mark.parametrize("algorithm", ["gptq", "awq_lite", "awq_clip", "mse"])
+def test_algorithms_run_per_expert_on_fused_moe(algorithm, lib_caplog):
+    model = tiny_qwen3_moe()
+    experts = [layer.mlp.experts for layer in model.model.layers]
+    before = [e.gate_up_proj.detach().clone() for e in experts]
+    hidden = torch.randn(64, 64)
+    route = torch.tensor([[0, 1]]).repeat(64, 1)  # experts 2 and 3 get no token
+
+    def loop(m):
+        for e in experts:
+            e(hidden, route, torch.full((64, 2), 0.5))
+
+    cfg = {
+        "quant_cfg": [
+            {"quantizer_name": "*", "enable": False},
+            {"quantizer_name": "*experts*weight_quantizer", "cfg": INT4_BLOCK},
+        ],
+        "algorithm": algorithm,
+    }
+    mtq.quantize(model, cfg, loop)
+    for e, old in zip(experts, before, strict=True):
+        for i in range(e.num_experts):
+            q = e.gate_up_proj_weight_quantizers[i]
+            assert torch.isfinite(q.amax).all()
+            assert (q.amax > 0).all()
+        changed = [not torch.equal(e.gate_up_proj[i], old[i]) for i in range(e.num_experts)]
+        if algorithm == "gptq":  # the routed experts get GPTQ weights, the idle ones keep theirs
+            assert changed == [True, True, False, False]
+        if algorithm == "awq_lite":
+            assert e.gate_up_proj_input_quantizer.pre_quant_scale.shape == (64,)
+        if algorithm == "awq_clip":  # idle experts keep their max amax
+            assert torch.equal(
+                e.gate_up_proj_weight_quantizers[3].amax,
+                mtq.TensorQuantizer(**INT4_BLOCK).calibrate(e.expert_weight("gate_up_proj", 3)).amax,
+            )
+    if algorithm in ("gptq", "awq_clip"):
+        assert any("received no calibration tokens" in r.getMessage() and "8 expert weight" in r.getMessage()
+                   for r in lib_caplog.records)  # fmt: skip

@@ -54,7 +54,7 @@ def insert_quantizers(model: nn.Module, experts_implementation: str | None = Non
     unwrapped_experts = [
         f"{name or '<model>'} ({type(module).__qualname__})"
         for name, module in model.named_modules()
-        if not isinstance(module, QuantModule) and any(p.ndim == 3 for p in module.parameters(recurse=False))
+        if not isinstance(module, QuantModule) and _holds_expert_weights(module)
     ]
     if unwrapped_experts:
         raise ValueError(
@@ -103,6 +103,13 @@ def use_experts_implementation(model: nn.Module, choice: str | None = None) -> s
                 if isinstance(module, QuantExperts):
                     module.config._experts_implementation = target
     return target
+
+
+def _holds_expert_weights(module: nn.Module) -> bool:
+    """Fused expert weights held directly by a module: 3-D parameters, or an ``...Expert...`` class with its
+    own parameters (Dbrx stores its experts as 2-D ``(experts * inter, hidden)`` matrices)."""
+    own = list(module.parameters(recurse=False))
+    return any(p.ndim == 3 for p in own) or (bool(own) and "expert" in type(module).__name__.lower())
 
 
 def _excluded(module_name: str) -> bool:

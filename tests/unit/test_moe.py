@@ -311,3 +311,17 @@ def test_expert_classes_without_a_wrapper_are_an_error():
 
     with pytest.raises(ValueError, match=r"no wrapper.*Experts3D"):
         mtq.quantize(Experts3D(), mtq.INT8_WEIGHT_ONLY_CFG)
+
+
+def test_expert_classes_with_2d_weights_are_caught_too():
+    class DbrxLikeExpertGLU(torch.nn.Module):  # experts stored as (experts * inter, hidden) matrices
+        def __init__(self):
+            super().__init__()
+            self.w1 = torch.nn.Parameter(torch.randn(4 * 8, 8))
+
+        def forward(self, x):
+            return x @ self.w1.t()
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), DbrxLikeExpertGLU())
+    with pytest.raises(ValueError, match=r"no wrapper.*DbrxLikeExpertGLU"):
+        mtq.quantize(model, mtq.INT8_WEIGHT_ONLY_CFG)

@@ -99,10 +99,12 @@ class QuantExperts(QuantModule):
         quantizers = getattr(self, f"{proj}_weight_quantizers")
         if self.weight_pass_through and not any(q.is_enabled and q._quant_enabled for q in quantizers):
             return getattr(self, proj)
-        rows = [q(self.expert_weight(proj, i)) for i, q in enumerate(quantizers)]
+        # one unbind for all experts: indexing expert by expert would make autograd add a zero gradient of
+        # the whole 3-D weight per expert (quadratic in the number of experts)
+        experts = getattr(self, proj).unbind(0)
         if self.is_transposed:
-            rows = [r.t() for r in rows]
-        return torch.stack(rows)
+            return torch.stack([q(w.t()).t() for q, w in zip(quantizers, experts, strict=True)])
+        return torch.stack([q(w) for q, w in zip(quantizers, experts, strict=True)])
 
     @torch.no_grad()
     def fold_weight(self) -> None:

@@ -1,0 +1,347 @@
+"""QAT step time and calibration memory of fused MoE experts (NVFP4) on a medium Qwen3-MoE.
+
+    OMP_NUM_THREADS=2 python benchmarks/moe.py [--repeats 5] [--threads 2] [--quick] [--json out.json]
+
+Model: ``Qwen3MoeForCausalLM`` from a config (hidden 512, intermediate 1024, moe_intermediate 256, 2
+layers, 8 heads / 4 KV heads, head_dim 64, 64 experts, top-8, vocab 4096), fp32, ``torch.manual_seed(0)``.
+Inputs: random ``input_ids`` 4x128 from a fixed generator. Config: ``NVFP4_DEFAULT_CFG``.
+
+1. QAT step time. Per experts path, in a fresh process: quantize (calibrating on 2 batches), ``train()``,
+   AdamW(lr 1e-5), then time ``loss = model(ids, labels=ids).loss; loss.backward(); opt.step();
+   opt.zero_grad()`` for one warm-up step and ``--repeats`` steps. Paths: ours on ``grouped_mm``, the same
+   model forced to ``eager`` (the reference library's only working path), and -- to show the cost of fake
+   quant -- the unquantized model on transformers' own ``grouped_mm``.
+2. Calibration memory. In fresh processes (grouped_mm): build the model, run one plain unquantized forward
+   of a 4x128 batch under ``no_grad`` (so one-time allocations and activation-sized buffers exist before
+   the baseline), then reset the peak-RSS mark by writing ``5`` to ``/proc/self/clear_refs`` and take the
+   baseline = VmRSS (when the kernel refuses the reset, the baseline is VmHWM, the peak so far, which already
+   includes that forward). Then run the measured work over 8 batches of 4x128 and read the peak VmHWM:
+
+   * ``plain``: the unquantized model, 8 forwards under ``no_grad`` (activations only);
+   * ``calib, pass-through``: ``mtq.quantize(...)`` with the default ``QuantExperts.weight_pass_through``;
+   * ``calib, no pass-through``: the same with ``QuantExperts.weight_pass_through = False`` (every experts
+     forward stacks per-expert weight copies even while only collecting statistics).
+
+   "calibration adds" = (calib increase - plain increase) / bytes of all experts' ``gate_up_proj`` and
+   ``down_proj`` (numel * 4); target < 10% with pass-through.
+
+   Memory children run with ``MALLOC_MMAP_THRESHOLD_=131072`` (``--mmap-threshold``): glibc's dynamic
+   threshold rises (up to 32 MB) once large blocks are freed, and then freed MB-sized temporaries stay in the
+   heap -- in about half of the runs the weight-calibration step kept 60-90 MB of freed memory resident
+   (``malloc_trim`` returned it). With a fixed threshold, VmHWM follows the live memory.
+
+Before each timed child the parent waits (``--max-wait``) until other processes keep at most
+``--max-other-load`` cores busy: with threads pinned to the core count, one busy core elsewhere made a step
+up to 30x slower here. A child that was still disturbed during its steps is rerun (``--retries``) and, if
+disturbed again, kept and flagged ``loaded``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+BATCH, SEQ, VOCAB, CALIB_STEP, CALIB_MEM = 4, 128, 4096, 2, 8
+STEP_PATHS = ["baseline", "grouped_mm", "eager"]  # baseline: unquantized, transformers' grouped_mm
+MEM_MODES = ["plain", "pass", "nopass"]
+LABELS = {
+    "baseline": "unquantized, transformers grouped_mm", "grouped_mm": "NVFP4, ours grouped_mm",
+    "eager": "NVFP4, forced eager", "plain": "plain forward (no quantize)",
+    "pass": "calibration, pass-through (default)", "nopass": "calibration, no pass-through",
+}  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------- child
+
+
+def _status_mb(key: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 1024
+    raise KeyError(key)
+
+
+def _busy_cpu_seconds() -> float | None:
+    """Busy CPU seconds of the whole machine so far (Linux /proc/stat), or None."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def _since(start: tuple) -> tuple[float, float]:
+    """Seconds since ``start`` (``(_busy_cpu_seconds(), process_time(), perf_counter())``) and the cores
+    other processes kept busy meanwhile (nan without /proc)."""
+    seconds, busy, own = time.perf_counter() - start[2], _busy_cpu_seconds(), time.process_time()
+    if busy is None or start[0] is None:
+        return seconds, float("nan")
+    return seconds, max(0.0, (busy - start[0] - (own - start[1])) / seconds)
+
+
+def _build(num_batches: int):
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(
+        hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=64, num_experts=64, num_experts_per_tok=8,
+        vocab_size=VOCAB, max_position_embeddings=256,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(cfg).float().eval()
+    gen = torch.Generator().manual_seed(1234)
+    return model, [torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen) for _ in range(num_batches)]
+
+
+def _child_step(path: str, repeats: int) -> dict:
+    import torch
+
+    model, batches = _build(CALIB_STEP)
+    if path == "baseline":
+        model.set_experts_implementation("grouped_mm")
+    else:
+        import modelopt_lite.quantization as mtq
+
+        mtq.quantize(model, mtq.get_preset("NVFP4_DEFAULT_CFG"), batches, path)  # runs under no_grad
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    ids, times, loads = batches[0], [], []
+    for i in range(repeats + 1):
+        start = (_busy_cpu_seconds(), time.process_time(), time.perf_counter())
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        seconds, others = _since(start)
+        if i:  # step 0 is the warm-up
+            times.append(seconds)
+            loads.append(others)
+    impl = model.config._experts_implementation
+    return {"times": times, "other_cores_busy": statistics.median(loads), "impl": impl, "loss": loss.item()}
+
+
+def _child_mem(mode: str) -> dict:
+    import gc
+
+    import torch
+
+    import modelopt_lite.quantization as mtq
+    from modelopt_lite.moe import QuantExperts
+
+    model, batches = _build(CALIB_MEM)
+    model.set_experts_implementation("grouped_mm")
+    with torch.no_grad():
+        model(batches[0])  # warm-up: one-time allocations and activation buffers before the baseline
+    gc.collect()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+        method, before = "clear_refs", _status_mb("VmRSS")
+    except OSError:
+        method, before = "VmHWM after warm-up forward", _status_mb("VmHWM")
+    if mode == "plain":
+        with torch.no_grad():
+            for b in batches:
+                model(b)
+    else:
+        QuantExperts.weight_pass_through = mode == "pass"
+        mtq.quantize(model, mtq.get_preset("NVFP4_DEFAULT_CFG"), batches, "grouped_mm")  # under no_grad
+        mtq.check_calibrated(model)
+    peak = _status_mb("VmHWM")
+    out = {"method": method, "before_mb": before, "peak_mb": peak, "increase_mb": peak - before}
+    experts = [m for m in model.modules() if isinstance(m, QuantExperts)]  # none in "plain"
+    out["expert_bytes"] = sum(m.gate_up_proj.numel() * 4 + m.down_proj.numel() * 4 for m in experts)
+    return out
+
+
+def _child_main(args) -> None:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    try:
+        result = _child_step(args.path, args.repeats) if args.child == "step" else _child_mem(args.path)
+    except Exception as err:
+        import traceback
+
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        result = {"error": f"{type(err).__name__}: {first}"[:200], "traceback": traceback.format_exc()}
+    print("@@RESULT " + json.dumps(result), flush=True)
+
+
+# ---------------------------------------------------------------------------------------------- parent
+
+
+def _wait_quiet(max_other: float, max_wait: float) -> None:
+    """Wait (at most ``max_wait`` s) until other processes keep <= ``max_other`` cores busy over 2 s."""
+    deadline, said = time.monotonic() + max_wait, False
+    while time.monotonic() < deadline:
+        before = _busy_cpu_seconds()
+        time.sleep(2)
+        after = _busy_cpu_seconds()
+        if before is None or after is None or (after - before) / 2 <= max_other:
+            return
+        if not said:
+            print(f"  waiting for other processes to go quiet (up to {max_wait:.0f} s)", flush=True)
+            said = True
+
+
+def _run_child(
+    kind: str, path: str, threads: int, repeats: int, max_other: float, retries: int, max_wait: float = 0,
+    **extra_env: str,
+) -> dict:  # fmt: skip
+    """Run a child after waiting for a quiet machine; rerun while other processes kept > max_other cores
+    busy during its timed steps (the last try is kept, flagged ``loaded``)."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1")
+    env.update(extra_env)
+    env.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH")) if p)
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", kind, "--path", path]
+    cmd += ["--threads", str(threads), "--repeats", str(repeats)]
+    for attempt in range(retries + 1):
+        _wait_quiet(max_other, max_wait)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("@@RESULT ")]
+        if not lines:
+            tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            err = f"child exited {proc.returncode}: {tail}"[:200]
+            return {"error": err, "traceback": proc.stderr[-4000:]}
+        res = json.loads(lines[-1][len("@@RESULT ") :])
+        res["loaded"] = bool(res.get("other_cores_busy", 0) > max_other)
+        if "error" in res or not res["loaded"]:
+            return res
+        note = ", retrying" if attempt < retries else ", kept (flagged loaded)"
+        print(f"  {kind} {path}: disturbed (others {res['other_cores_busy']:.2f} cores){note}", flush=True)
+    return res
+
+
+def _fmt(x: float | None, spec: str = ".3f") -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="MoE QAT step time and calibration memory (NVFP4)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5, help="timed QAT steps per path (after a warm-up)")
+    parser.add_argument("--mem-repeats", type=int, default=3, help="memory runs per mode (median kept)")
+    parser.add_argument("--quick", action="store_true", help="2 timed steps, 1 memory run per mode")
+    parser.add_argument("--json", help="write the raw numbers here")
+    parser.add_argument("--max-other-load", type=float, default=0.25)
+    parser.add_argument("--retries", type=int, default=2, help="reruns of a disturbed child")
+    parser.add_argument("--max-wait", type=float, default=600, help="s to wait for a quiet machine per run")
+    parser.add_argument(
+        "--mmap-threshold", type=int, default=131072,
+        help="MALLOC_MMAP_THRESHOLD_ for the memory children (0: glibc's dynamic default)",
+    )  # fmt: skip
+    parser.add_argument("--child", choices=["step", "mem"], help=argparse.SUPPRESS)
+    parser.add_argument("--path", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        _child_main(args)
+        return
+
+    repeats = 2 if args.quick else args.repeats
+    mem_repeats = 1 if args.quick else args.mem_repeats
+    print(
+        "Qwen3-MoE (hidden 512, moe_intermediate 256, 64 experts, top-8, 2 layers), fp32, NVFP4_DEFAULT_CFG, "
+        f"batch {BATCH}x{SEQ}; threads {args.threads}; {repeats} timed QAT steps after 1 warm-up; "
+        "each measurement in a fresh process", flush=True,
+    )  # fmt: skip
+    steps: dict[str, dict] = {}
+    load_args = (args.max_other_load, args.retries, args.max_wait)
+    for path in STEP_PATHS:
+        res = steps[path] = _run_child("step", path, args.threads, repeats, *load_args)
+        if "error" in res:
+            print(f"  step {path}: failed: {res['error']}", flush=True)
+            continue
+        res.update(median_s=statistics.median(res["times"]), min_s=min(res["times"]))
+        times = ", ".join(f"{t:.3f}" for t in res["times"])
+        print(f"  step {path}: {times} s ({res['impl']}; others {res['other_cores_busy']:.2f})", flush=True)
+    mem: dict[str, dict] = {}
+    mem_env = {"MALLOC_MMAP_THRESHOLD_": str(args.mmap_threshold)} if args.mmap_threshold else {}
+    for mode in MEM_MODES:  # peak memory does not depend on load: no retries
+        mem[mode] = {"runs": []}
+        for _ in range(mem_repeats):
+            res = _run_child("mem", mode, args.threads, 0, float("inf"), 0, **mem_env)
+            if "error" in res:
+                print(f"  mem {mode}: failed: {res['error']}", flush=True)
+                mem[mode].update(error=res["error"], traceback=res.get("traceback"))
+                break
+            print(f"  mem {mode}: +{res['increase_mb']:.1f} MB over {res['before_mb']:.0f} MB", flush=True)
+            mem[mode]["runs"].append(res)
+        if "error" not in mem[mode]:
+            mem[mode]["increase_mb"] = statistics.median(r["increase_mb"] for r in mem[mode]["runs"])
+
+    print("\n### QAT step time (forward + backward + AdamW step), seconds per step\n")
+    print("| path | experts implementation | median s | min s | vs unquantized (median) |")
+    print("|---|---|---|---|---|")
+    base = steps["baseline"].get("median_s")
+    for path, res in steps.items():
+        if "error" in res:
+            print(f"| {LABELS[path]} | n/a | n/a (reason: {res['error']}) | | |")
+            continue
+        vs = f"{res['median_s'] / base:.2f}x" if base else "n/a"
+        med = f"{res['median_s']:.3f}" + (" (loaded)" if res["loaded"] else "")
+        print(f"| {LABELS[path]} | `{res['impl']}` | {med} | {res['min_s']:.3f} | {vs} |")
+    g, e = steps["grouped_mm"], steps["eager"]
+    speedup = None
+    if "error" not in g and "error" not in e:
+        speedup = {"median": e["median_s"] / g["median_s"], "min": e["min_s"] / g["min_s"]}
+        verdict = "met" if speedup["median"] >= 10 else "NOT met"
+        print(
+            f"\nspeed-up eager / grouped_mm: {speedup['median']:.2f}x from medians, {speedup['min']:.2f}x "
+            f"from mins (target >= 10x: {verdict})"
+        )
+
+    print(f"\n### Peak memory of calibration ({CALIB_MEM} batches of {BATCH}x{SEQ}, grouped_mm)\n")
+    method = next((r["method"] for m in mem.values() for r in m["runs"]), "n/a")
+    print(
+        "peak increase = VmHWM after the work - baseline, the baseline taken after one plain warm-up forward "
+        f"(method: {method}); MALLOC_MMAP_THRESHOLD_={args.mmap_threshold or 'glibc default'}; median of "
+        f"{mem_repeats} fresh process(es); % = (increase - plain-forward increase) / expert weight bytes\n"
+    )
+    ebytes = next((r["expert_bytes"] for m in ("pass", "nopass") for r in mem[m]["runs"]), None)
+    emb = ebytes / 2**20 if ebytes else None
+    print(f"expert weights (all QuantExperts gate_up_proj + down_proj, fp32): {_fmt(emb, '.1f')} MB\n")
+    print("| measurement | baseline RSS MB | peak increase MB | minus plain fwd MB | % of expert weights |")
+    print("|---|---|---|---|---|")
+    plain = mem["plain"].get("increase_mb")
+    adds: dict[str, float | None] = {}
+    for mode, m in mem.items():
+        if "error" in m:
+            print(f"| {LABELS[mode]} | n/a (reason: {m['error']}) | | | |")
+            continue
+        before = statistics.median(r["before_mb"] for r in m["runs"])
+        extra = m["increase_mb"] - plain if plain is not None and mode != "plain" else None
+        adds[mode] = 100 * extra / emb if extra is not None and emb else None
+        pct, extra_s = (_fmt(adds[mode], ".1f") + "%", _fmt(extra, ".1f")) if mode != "plain" else ("-", "-")
+        print(f"| {LABELS[mode]} | {before:.0f} | {m['increase_mb']:.1f} | {extra_s} | {pct} |")
+    if adds.get("pass") is not None:
+        verdict = "met" if adds["pass"] < 10 else "NOT met"
+        print(
+            f"\ncalibration adds {adds['pass']:.1f}% of the expert weights with pass-through (target < 10%: "
+            f"{verdict}), {_fmt(adds.get('nopass'), '.1f')}% without"
+        )
+    loaded = [p for p, r in steps.items() if r.get("loaded")]
+    if loaded:
+        print(f"\nwarning: still disturbed by other processes after retries: {', '.join(loaded)} (inflated)")
+    for name, res in [*steps.items(), *mem.items()]:
+        if "error" in res:
+            print(f"\n{name} failed:\n{res.get('traceback') or res['error']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            meta = {"threads": args.threads, "repeats": repeats, "mem_repeats": mem_repeats}
+            meta.update(mmap_threshold=args.mmap_threshold, expert_bytes=ebytes, adds_pct=adds)
+            json.dump({**meta, "steps": steps, "speedup": speedup, "memory": mem}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

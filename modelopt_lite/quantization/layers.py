@@ -44,14 +44,13 @@ class Target:
 @dataclass
 class Stats:
     """Inputs seen by one target: ``absmax`` / ``abssum`` per input channel, the row ``count``, up to
-    ``max_rows`` sample rows, ``gram`` = ``X^T X`` (float32) when asked, and which tensor it read."""
+    ``max_rows`` sample rows and ``gram`` = ``X^T X`` (float32) when asked."""
 
     absmax: torch.Tensor | None = None
     abssum: torch.Tensor | None = None
     count: int = 0
     rows: list[torch.Tensor] = field(default_factory=list)
     gram: torch.Tensor | None = None
-    source: tuple | None = None
 
     def sample(self) -> torch.Tensor | None:
         return torch.cat(self.rows) if self.rows else None
@@ -81,10 +80,18 @@ def blocks(targets: list[Target]) -> list[list[Target]]:
 
 
 def groups(targets: list[Target], stats: dict[str, Stats]) -> list[list[Target]]:
-    """Targets that read the same input (same tensor, or one experts projection)."""
+    """Targets that read the same input: one experts projection, or linear layers whose inputs were
+    identical on every batch (same row count and bit-identical per-channel max and sum of ``|x|``; q/k/v and
+    gate/up read one tensor). Memory addresses are not used: a freed tensor's address is reused."""
     out: dict[tuple, list[Target]] = {}
     for t in targets:
-        key = (id(t.module), t.proj) if t.expert is not None else stats[t.name].source or (t.name,)
+        st = stats[t.name]
+        if t.expert is not None:
+            key: tuple = (id(t.module), t.proj)
+        elif st.count:
+            key = (st.count, st.absmax.numpy().tobytes(), st.abssum.numpy().tobytes())
+        else:
+            key = (t.name,)
         out.setdefault(key, []).append(t)
     return list(out.values())
 
@@ -120,10 +127,7 @@ def capture(targets: list[Target], max_rows: int = 0, gram: bool = False) -> Ite
             continue
 
         def pre_hook(module, args, st=stats[t.name]):
-            x = args[0]
-            if st.source is None:
-                st.source = (x.data_ptr(), tuple(x.shape))
-            _record(st, x, max_rows, gram)
+            _record(st, args[0], max_rows, gram)
 
         hooks.append(t.module.register_forward_pre_hook(pre_hook))
     for module, table in experts.items():

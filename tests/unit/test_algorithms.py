@@ -194,3 +194,16 @@ def test_algorithms_run_per_expert_on_fused_moe(algorithm, lib_caplog):
     if algorithm in ("gptq", "awq_clip"):
         assert any("received no calibration tokens" in r.getMessage() and "8 expert weight" in r.getMessage()
                    for r in lib_caplog.records)  # fmt: skip
+
+
+def test_groups_come_from_identical_inputs_not_memory_addresses():
+    from modelopt_lite.quantization.calibrate import calibration_mode, run_forward_loop
+    from modelopt_lite.quantization.layers import capture, groups
+
+    model = tiny_llama()
+    mtq.quantize(model, mtq.INT4_BLOCKWISE_WEIGHT_ONLY_CFG)
+    block = blocks(linear_targets(model))[0]
+    with calibration_mode(model), capture(block) as stats:
+        run_forward_loop(model, batches())
+    names = sorted(sorted(t.name.rsplit(".", 1)[-1] for t in g) for g in groups(block, stats))
+    assert names == [["down_proj"], ["gate_proj", "up_proj"], ["k_proj", "q_proj", "v_proj"], ["o_proj"]]

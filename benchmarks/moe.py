@@ -46,6 +46,8 @@ import subprocess
 import sys
 import time
 
+from calibrate import _busy_cpu_seconds  # sibling benchmark (stdlib only)
+
 BATCH, SEQ, VOCAB, CALIB_STEP, CALIB_MEM = 4, 128, 4096, 2, 8
 STEP_PATHS = ["baseline", "grouped_mm", "eager"]  # baseline: unquantized, transformers' grouped_mm
 MEM_MODES = ["plain", "pass", "nopass"]
@@ -65,16 +67,6 @@ def _status_mb(key: str) -> float:
             if line.startswith(key + ":"):
                 return int(line.split()[1]) / 1024
     raise KeyError(key)
-
-
-def _busy_cpu_seconds() -> float | None:
-    """Busy CPU seconds of the whole machine so far (Linux /proc/stat), or None."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(v) for v in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def _since(start: tuple) -> tuple[float, float]:

@@ -2,8 +2,8 @@
 
 * ``awq_lite``: per group of layers reading the same input, search ``alpha`` on a grid of step
   ``alpha_step`` for the input-channel scale ``s = mean|X|**alpha / w_mag**(1 - alpha)`` (normalised) that
-  minimises ``|| X W^T - (X / s) Q(W s)^T ||^2`` on sample inputs; apply it like SmoothQuant
-  (``pre_quant_scale = 1 / s``, weight columns times ``s``).
+  minimises ``|| X W^T - (X / s) Q(W s)^T ||^2`` on sample inputs, with no scaling as a candidate too; apply
+  it like SmoothQuant (``pre_quant_scale = 1 / s``, weight columns times ``s``).
 * ``awq_clip``: per weight block (per channel for per-channel formats), search the amax ratio on
   ``clip_ratios`` minimising the block's contribution to the output error ``d^T (X_b^T X_b) d``; formats
   with one global amax (NVFP4, FP8 per tensor) search one ratio per weight.
@@ -77,16 +77,18 @@ def _lite_group(group: list[Target], stats: dict, alpha_step: float) -> float | 
     block = getattr(group[0].weight_quantizer, "block_sizes", None) or {}
     wmag = _weight_magnitude(group, block.get(-1) or group[0].weight().shape[-1])
     samples = {t.name: stats[t.name].sample() for t in group if stats[t.name].count}
-    best, best_alpha, best_s = None, None, None
+    # no smoothing (s = 1) is a candidate too, so the search never ends worse than plain max calibration
+    best, best_alpha, best_s = _group_loss(group, samples, torch.ones_like(act)), None, None
     steps = max(1, round(1.0 / alpha_step))
     for i in range(steps + 1):
         alpha = i / steps
         s = act.clamp_min(1e-8).pow(alpha) / wmag.clamp_min(1e-8).pow(1.0 - alpha)
         s = (s / (s.max() * s.min()).sqrt()).clamp(1e-4, 1e4)
         loss = _group_loss(group, samples, s)
-        if best is None or loss < best:
+        if loss < best:
             best, best_alpha, best_s = loss, alpha, s
-    apply_input_scale(group, best_s)
+    if best_s is not None:
+        apply_input_scale(group, best_s)
     return best_alpha
 
 

@@ -177,7 +177,7 @@ def test_a_file_that_does_not_fit_is_rolled_back(tmp_path):
 
 
 def test_smoothing_scales_survive_save_and_restore(tmp_path):
-    model = _quantized(cfg=mtq.INT4_AWQ_CFG)
+    model = _quantized(cfg=mtq.INT8_SMOOTHQUANT_CFG)
     assert model.model.layers[0].mlp.down_proj.input_quantizer.pre_quant_scale is not None
     ids = batches(seed=4)[0]
     path = mto.save(model, tmp_path / "awq.safetensors")

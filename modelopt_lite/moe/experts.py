@@ -131,10 +131,14 @@ class QuantExperts(QuantModule):
         self.forward_calls = 0
 
     def _count(self, top_k_index: torch.Tensor) -> None:
+        # counted on the routing's device without a host sync (no data-dependent shapes)
         self.forward_calls += 1
         with torch.no_grad():
-            ids = top_k_index.reshape(-1).to("cpu", torch.int64)
-            self.tokens_per_expert += torch.bincount(ids[ids < self.num_experts], minlength=self.num_experts)
+            ids = top_k_index.reshape(-1).long()
+            if self.tokens_per_expert.device != ids.device:
+                self.tokens_per_expert = self.tokens_per_expert.to(ids.device)
+            valid = (ids < self.num_experts).long()  # expert-parallel sentinels are not counted
+            self.tokens_per_expert.scatter_add_(0, ids.clamp(max=self.num_experts - 1), valid)
 
     # ----------------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -14,6 +14,7 @@ RECIPES = [
     "general/ptq/nvfp4_default-kv_fp8",
     "general/ptq/int4_awq",
     "general/ptq/int8_smoothquant",
+    "general/ptq/int4_gptq",
     "general/qat/nvfp4",
     "general/qad/nvfp4-kv_fp8",
 ]
@@ -173,6 +174,8 @@ def test_recipes_match_the_presets_they_name():
         "general/ptq/nvfp4_default-kv_fp8": kv(mtq.NVFP4_DEFAULT_CFG, "FP8_KV_CFG"),
         "general/ptq/int4_awq": mtq.INT4_AWQ_CFG,
         "general/ptq/int8_smoothquant": mtq.INT8_SMOOTHQUANT_CFG,
+        "general/ptq/int4_gptq": mtq.INT4_BLOCKWISE_WEIGHT_ONLY_CFG
+        | {"algorithm": {"method": "gptq", "block_size": 128, "damp": 0.01}},
         "general/qat/nvfp4": mtq.NVFP4_DEFAULT_CFG,
         "general/qad/nvfp4-kv_fp8": kv(mtq.NVFP4_DEFAULT_CFG, "FP8_KV_CFG"),
     }

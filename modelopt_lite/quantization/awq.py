@@ -119,7 +119,7 @@ def _clip_target(t: Target, x: torch.Tensor, ratios: tuple[float, ...]) -> None:
         else:
             errors.append((x @ d.t()).pow(2).sum().reshape(amax.shape if amax.numel() == 1 else ()))
     err = torch.stack(errors)
-    best = torch.tensor(ratios, dtype=torch.float32)[err.argmin(0)]
+    best = torch.tensor(ratios, dtype=torch.float32, device=err.device)[err.argmin(0)]
     q.amax = amax * best
 
 

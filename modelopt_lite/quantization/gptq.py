@@ -111,7 +111,7 @@ def gptq_quantize_weight(
     current: dict[int, tuple] = {}
     for b0 in range(0, cols, block_size):
         b1 = min(b0 + block_size, cols)
-        errors = torch.zeros(w.shape[0], b1 - b0)
+        errors = torch.zeros(w.shape[0], b1 - b0, device=w.device)
         for i in range(b0, b1):
             col = int(perm[i])
             g = col - col % group
@@ -171,6 +171,8 @@ def gptq(model: nn.Module, forward_loop: ForwardLoop | None, **options: Any) -> 
                 pinned.append((q, torch.stack(scales, 1).reshape(-1, 1)))
             elif q.spec.kind in ("int", "fp8") and q.spec.axis is not None:
                 pinned.append((q, scales[0].reshape(-1, 1)))
+            elif q.spec.kind in ("int", "fp8"):  # per tensor
+                pinned.append((q, scales[0][0].reshape(())))
     max_calibrate(model, forward_loop)
     for q, amax in pinned:
         q.amax = amax

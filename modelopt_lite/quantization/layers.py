@@ -89,7 +89,7 @@ def groups(targets: list[Target], stats: dict[str, Stats]) -> list[list[Target]]
         if t.expert is not None:
             key: tuple = (id(t.module), t.proj)
         elif st.count:
-            key = (st.count, st.absmax.numpy().tobytes(), st.abssum.numpy().tobytes())
+            key = (st.count, st.absmax.cpu().numpy().tobytes(), st.abssum.cpu().numpy().tobytes())
         else:
             key = (t.name,)
         out.setdefault(key, []).append(t)
@@ -115,9 +115,16 @@ def _record(stats: Stats, x: torch.Tensor, max_rows: int, gram: bool) -> None:
         stats.gram = g if stats.gram is None else stats.gram.add_(g)
 
 
+def _effective(x: torch.Tensor, input_quantizer: TensorQuantizer) -> torch.Tensor:
+    """The input as the weight sees it: after an earlier smoothing step's ``pre_quant_scale``."""
+    scale = input_quantizer.pre_quant_scale
+    return x if scale is None else x * scale.to(x.dtype)
+
+
 @contextmanager
 def capture(targets: list[Target], max_rows: int = 0, gram: bool = False) -> Iterator[dict[str, Stats]]:
-    """Record the inputs of ``targets`` during the forward passes run inside the block."""
+    """Record the inputs of ``targets`` (times their input quantizer's ``pre_quant_scale``, as the weight
+    sees them) during the forward passes run inside the block."""
     stats = {t.name: Stats() for t in targets}
     hooks = []
     experts: dict[QuantExperts, dict[tuple[str, int], Stats]] = {}
@@ -126,15 +133,20 @@ def capture(targets: list[Target], max_rows: int = 0, gram: bool = False) -> Ite
             experts.setdefault(t.module, {})[(t.proj, t.expert)] = stats[t.name]
             continue
 
-        def pre_hook(module, args, st=stats[t.name]):
-            _record(st, args[0], max_rows, gram)
+        def pre_hook(module, args, st=stats[t.name], q=t.input_quantizer):
+            _record(st, _effective(args[0], q), max_rows, gram)
 
         hooks.append(t.module.register_forward_pre_hook(pre_hook))
     for module, table in experts.items():
 
-        def observe(proj, expert, x, table=table):
+        def observe(proj, expert, x, table=table, module=module):
             if (proj, expert) in table:
-                _record(table[(proj, expert)], x, max_rows, gram)
+                _record(
+                    table[(proj, expert)],
+                    _effective(x, getattr(module, f"{proj}_input_quantizer")),
+                    max_rows,
+                    gram,
+                )
 
         module.input_observer = observe
     try:

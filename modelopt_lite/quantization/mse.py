@@ -48,7 +48,7 @@ def mse_calibrate(model: nn.Module, forward_loop: ForwardLoop | None, **options:
             for m in grid:
                 err = (quantize_like(q, w, amax * m).float() - w).pow(2)
                 errors.append(reduce_like_amax(err, q.spec).reshape(amax.shape) if per_element else err.sum())
-            best = torch.tensor(grid)[torch.stack(errors).argmin(0)]
+            best = torch.tensor(grid, device=amax.device)[torch.stack(errors).argmin(0)]
             q.amax = amax * best.reshape(amax.shape)
             searched += 1
     logger.info("mse: searched the amax of %d weight quantizer(s) over %d multipliers", searched, len(grid))

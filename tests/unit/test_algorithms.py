@@ -215,3 +215,24 @@ def test_groups_come_from_identical_inputs_not_memory_addresses():
         run_forward_loop(model, batches())
     names = sorted(sorted(t.name.rsplit(".", 1)[-1] for t in g) for g in groups(block, stats))
     assert names == [["down_proj"], ["gate_proj", "up_proj"], ["k_proj", "q_proj", "v_proj"], ["o_proj"]]
+
+
+@pytest.mark.parametrize("cfg", [{"num_bits": 4}, {"num_bits": (4, 3)}, {"num_bits": 8, "axis": 0}, NVFP4])
+def test_gptq_weights_are_kept_by_fake_quant_in_every_granularity(cfg):
+    model, _ = _run(cfg, None, "gptq", _inputs(correlated=True))
+    layer = model[0]
+    assert torch.equal(layer.weight_quantizer(layer.weight), layer.weight)
+
+
+def test_awq_full_clips_on_the_smoothed_inputs(monkeypatch):
+    from modelopt_lite.quantization import awq
+
+    seen = []
+    original = awq._clip_target
+    monkeypatch.setattr(awq, "_clip_target", lambda t, x, r: (seen.append((t, x)), original(t, x, r))[1])
+    x = _inputs(outliers=(5, 40))
+    _run(INT4_BLOCK, None, "awq_full", x)
+    ((target, sample),) = seen
+    scale = target.input_quantizer.pre_quant_scale
+    assert scale is not None
+    assert torch.allclose(sample, x[: sample.shape[0]] * scale)

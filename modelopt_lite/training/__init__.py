@@ -1,5 +1,7 @@
-"""Floor 5: training (QAT / QAD trainers arrive with their issue); the garbage-collector policy they use."""
+"""Floor 5: training (QAT / QAD trainers arrive with their issue): the garbage-collector policy and the
+chunked distillation loss they use."""
 
+from .distill_loss import chunked_distillation_loss
 from .gc_policy import GCPolicy
 
-__all__ = ["GCPolicy"]
+__all__ = ["GCPolicy", "chunked_distillation_loss"]

@@ -4,5 +4,12 @@ chunked distillation loss they use."""
 from .arguments import DistillationArguments, QuantizationArguments
 from .distill_loss import chunked_distillation_loss
 from .gc_policy import GCPolicy
+from .qat_trainer import QATTrainer
 
-__all__ = ["DistillationArguments", "GCPolicy", "QuantizationArguments", "chunked_distillation_loss"]
+__all__ = [
+    "DistillationArguments",
+    "GCPolicy",
+    "QATTrainer",
+    "QuantizationArguments",
+    "chunked_distillation_loss",
+]

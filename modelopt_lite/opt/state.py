@@ -11,6 +11,7 @@ from torch import nn
 from .._version import __version__
 from ..nn import QUANT_MODULES, QuantModule, SequentialQuantizer, TensorQuantizer, iter_quantizers
 from ..quantization import QuantizeConfig, quant_state, quantizer_attributes
+from ..quantization.config import plain
 from ..quantization.insertion import (
     Provenance,
     name_quantizers,
@@ -28,17 +29,9 @@ def _class_name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _plain(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
-
-
 def _quantizer_entry(q: TensorQuantizer) -> dict[str, Any]:
     return {
-        "attributes": _plain(q.attribute_dict()),
+        "attributes": plain(q.attribute_dict(), str_keys=True),
         "quant_enabled": q._quant_enabled,
         "buffers": q.buffer_shapes(),
     }
@@ -67,7 +60,7 @@ def modelopt_state(model: nn.Module) -> dict[str, Any]:
     return {
         "format": _FORMAT,
         "producer": {"name": "modelopt_lite", "version": __version__},
-        "quant_config": _plain(state.config.to_dict()) if state else None,
+        "quant_config": plain(state.config.to_dict(), str_keys=True) if state else None,
         "provenance": state.provenance.rules if state else {},
         "attn_implementation": getattr(config, "_attn_implementation", None),
         "modules": modules,

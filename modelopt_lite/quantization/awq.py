@@ -23,10 +23,17 @@ from torch import nn
 from ..formats import BlockLayout
 from ..logging import get_logger
 from ..nn import TensorQuantizer
-from .calibrate import ForwardLoop, calibration_mode, max_calibrate, register_algorithm, run_forward_loop
+from .calibrate import (
+    ForwardLoop,
+    calibration_mode,
+    max_calibrate,
+    register_algorithm,
+    require_data,
+    run_forward_loop,
+)
 from .layers import Target, blocks, capture, groups, linear_targets
 from .search import quantize_like
-from .smoothquant import apply_input_scale, require_data
+from .smoothquant import apply_input_scale
 
 __all__ = ["awq_clip", "awq_full", "awq_lite"]
 

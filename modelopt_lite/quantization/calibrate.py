@@ -79,6 +79,12 @@ def check_algorithm(algorithm: str | Mapping[str, Any] | None) -> tuple[str | No
     return algorithm, options
 
 
+def require_data(name: str, forward_loop: ForwardLoop | None) -> None:
+    """Search algorithms need calibration data; raise before they change anything."""
+    if forward_loop is None:
+        raise ValueError(f"algorithm {name!r} needs calibration data: pass a forward_loop")
+
+
 def calibrate(
     model: nn.Module,
     algorithm: str | Mapping[str, Any] | None = "max",

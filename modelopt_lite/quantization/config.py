@@ -28,7 +28,7 @@ from typing import Any
 
 from ..nn import QuantizerAttributes
 
-__all__ = ["ALGORITHMS", "QuantRule", "QuantizeConfig", "quantizer_attributes"]
+__all__ = ["ALGORITHMS", "QuantRule", "QuantizeConfig", "plain", "quantizer_attributes"]
 
 #: Calibration algorithms a config may name (``None`` means: no calibration).
 ALGORITHMS = ("max", "smoothquant", "awq_lite", "awq_clip", "awq_full", "gptq", "mse")
@@ -47,6 +47,15 @@ _DEFAULT_ONLY = {
     "constant_amax": None,
 }
 _ALLOWED_KEYS = sorted(_OURS | set(_INERT) | set(_DEFAULT_ONLY) | {"type", "pass_through_bwd", "enable"})
+
+
+def plain(value: Any, str_keys: bool = False) -> Any:
+    """Tuples -> lists (and, with ``str_keys``, keys -> strings) so that YAML / JSON write plain data."""
+    if isinstance(value, dict):
+        return {(str(k) if str_keys else k): plain(v, str_keys) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v, str_keys) for v in value]
+    return value
 
 
 def quantizer_attributes(

@@ -23,9 +23,15 @@ from ..formats import fp8_fake_quant, int_fake_quant, nvfp4_block_scales, nvfp4_
 from ..formats.rounding import e2m1_round
 from ..logging import get_logger
 from ..nn import TensorQuantizer
-from .calibrate import ForwardLoop, calibration_mode, max_calibrate, register_algorithm, run_forward_loop
+from .calibrate import (
+    ForwardLoop,
+    calibration_mode,
+    max_calibrate,
+    register_algorithm,
+    require_data,
+    run_forward_loop,
+)
 from .layers import blocks, capture, linear_targets
-from .smoothquant import require_data
 
 __all__ = ["gptq", "gptq_quantize_weight"]
 

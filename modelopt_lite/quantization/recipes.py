@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from .config import QuantizeConfig
+from .config import QuantizeConfig, plain
 
 __all__ = ["Recipe", "list_recipes", "load_recipe"]
 
@@ -37,7 +37,7 @@ class Recipe:
     config: QuantizeConfig
 
     def to_dict(self) -> dict[str, Any]:
-        return {"description": self.description, "quantize": _plain(self.config.to_dict())}
+        return {"description": self.description, "quantize": plain(self.config.to_dict())}
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None, width=110)
@@ -59,15 +59,6 @@ class Recipe:
         except (TypeError, ValueError) as err:
             raise ValueError(f"recipe {name}: {err}") from None
         return cls(name, description, config)
-
-
-def _plain(value: Any) -> Any:
-    """Tuples -> lists so that ``yaml.safe_dump`` writes plain YAML."""
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
 
 
 def _packaged() -> dict[str, Any]:

@@ -12,17 +12,19 @@ import torch
 from torch import nn
 
 from ..logging import get_logger
-from .calibrate import ForwardLoop, calibration_mode, max_calibrate, register_algorithm, run_forward_loop
+from .calibrate import (
+    ForwardLoop,
+    calibration_mode,
+    max_calibrate,
+    register_algorithm,
+    require_data,
+    run_forward_loop,
+)
 from .layers import Target, blocks, capture, groups, linear_targets
 
 __all__ = ["apply_input_scale", "smoothquant"]
 
 logger = get_logger(__name__)
-
-
-def require_data(name: str, forward_loop: ForwardLoop | None) -> None:
-    if forward_loop is None:
-        raise ValueError(f"algorithm {name!r} needs calibration data: pass a forward_loop")
 
 
 @torch.no_grad()

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from safetensors import safe_open
-from safetensors.torch import load_model, save_model
+from safetensors.torch import load_file, load_model, save_model
 from torch import nn
 
 from ..logging import get_logger
@@ -16,10 +16,11 @@ from ..quantization.insertion import remove_quantizers, snapshot_implementations
 from .hf import attach, checkpointing_enabled
 from .state import modelopt_state, restore_from_modelopt_state
 
-__all__ = ["load_state", "restore", "save"]
+__all__ = ["STATE_FILE", "load_state", "restore", "save"]
 
 logger = get_logger(__name__)
 _METADATA_KEY = "modelopt_lite_state"
+STATE_FILE = "modelopt_lite_state.json"  # beside the weights in a save_pretrained / Trainer directory
 
 
 def save(model: nn.Module, path: str | Path) -> Path:
@@ -33,6 +34,12 @@ def save(model: nn.Module, path: str | Path) -> Path:
 
 
 def load_state(path: str | Path) -> dict[str, Any]:
+    """The quantizer state in a file written by :func:`save`, or in a directory saved by ``QATTrainer``."""
+    path = Path(path)
+    if path.is_dir():
+        if not (path / STATE_FILE).is_file():
+            raise ValueError(f"{path} holds no {STATE_FILE} (was it saved by QATTrainer.save_model?)")
+        return json.loads((path / STATE_FILE).read_text())["modelopt_state"]
     with safe_open(str(path), framework="pt") as f:
         metadata = f.metadata() or {}
     if _METADATA_KEY not in metadata:
@@ -40,15 +47,43 @@ def load_state(path: str | Path) -> dict[str, Any]:
     return json.loads(metadata[_METADATA_KEY])
 
 
+def _weight_files(directory: Path) -> list[Path]:
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [directory / n for n in names]
+    if (directory / "model.safetensors").is_file():
+        return [directory / "model.safetensors"]
+    raise ValueError(f"{directory} holds no model.safetensors (or index)")
+
+
+def _load_weights(model: nn.Module, path: Path) -> tuple[list[str], list[str]]:
+    if not path.is_dir():
+        missing, unexpected = load_model(model, str(path), strict=False)
+        return list(missing), list(unexpected)
+    state_dict: dict[str, Any] = {}
+    for file in _weight_files(path):
+        state_dict.update(load_file(str(file)))
+    result = model.load_state_dict(state_dict, strict=False)
+    # a tied weight (lm_head = embeddings) is saved once, under one of its names
+    groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    tied = {n for names in groups.values() if len(names) > 1 and not set(names) <= set(result.missing_keys)
+            for n in names}  # fmt: skip
+    return [k for k in result.missing_keys if k not in tied], list(result.unexpected_keys)
+
+
 def restore(model: nn.Module, path: str | Path) -> nn.Module:
-    """Re-create the quantizers saved by :func:`save` on a fresh ``model`` of the same architecture and
-    load weights and quantizer tensors. Returns ``model``. If the file does not fit, the quantizers are
-    removed again and the error names what differs."""
+    """Re-create the quantizers saved by :func:`save` (a file) or ``QATTrainer.save_model`` (a directory)
+    on a fresh ``model`` of the same architecture and load weights and quantizer tensors. Returns ``model``.
+    If the checkpoint does not fit, the quantizers are removed again and the error names what differs."""
+    path = Path(path)
     state = load_state(path)
     implementations = snapshot_implementations(model)
     restore_from_modelopt_state(model, state)
     try:
-        missing, unexpected = load_model(model, str(path), strict=False)
+        missing, unexpected = _load_weights(model, path)
         if missing or unexpected:
             raise ValueError(
                 f"{path} does not match the model: missing {sorted(missing)[:5]}, "

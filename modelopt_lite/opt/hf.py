@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import copy
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from torch import nn
@@ -106,6 +108,26 @@ def attach(model: nn.Module) -> None:
     live = ModeloptLiteStateConfig()
     live._model = weakref.ref(model)
     config.quantization_config = live
+
+
+@contextmanager
+def attached(model: nn.Module) -> Iterator[None]:
+    """Within the block, ``model.config`` carries the live quantizer-state config (for one
+    ``save_pretrained``); the previous ``quantization_config`` is put back afterwards."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_dict"):
+        yield
+        return
+    missing = object()
+    previous = getattr(config, "quantization_config", missing)
+    attach(model)
+    try:
+        yield
+    finally:
+        if previous is missing:
+            del config.quantization_config
+        else:
+            config.quantization_config = previous
 
 
 def enable_huggingface_checkpointing() -> None:

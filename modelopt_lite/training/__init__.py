@@ -1,14 +1,16 @@
-"""Floor 5: training (QAT / QAD trainers arrive with their issue): the garbage-collector policy and the
-chunked distillation loss they use."""
+"""Floor 5: training: ``QATTrainer``, ``QADTrainer``, their argument dataclasses, the garbage-collector
+policy and the chunked distillation loss."""
 
 from .arguments import DistillationArguments, QuantizationArguments
 from .distill_loss import chunked_distillation_loss
 from .gc_policy import GCPolicy
+from .qad_trainer import QADTrainer
 from .qat_trainer import QATTrainer
 
 __all__ = [
     "DistillationArguments",
     "GCPolicy",
+    "QADTrainer",
     "QATTrainer",
     "QuantizationArguments",
     "chunked_distillation_loss",

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ..quantization import resolve_config
 
@@ -22,8 +23,11 @@ class QuantizationArguments:
     calib_size: int = field(default=512, metadata={"help": "Number of calibration samples."})
     calib_batch_size: int = field(default=1, metadata={"help": "Batch size of the calibration passes."})
     calib_dataset: str | None = field(
-        default=None, metadata={"help": "Calibration data (a local file); default: the first train samples."}
-    )
+        default=None,
+        metadata={"help": "Calibration data: a local .txt, .json or .jsonl file (records with a 'text' "
+                  "field), tokenized by the trainer's tokenizer; default: the first train samples."},
+    )  # fmt: skip
+    calib_seq_len: int = field(default=512, metadata={"help": "Tokens per sample read from calib_dataset."})
     experts_implementation: str | None = field(
         default=None,
         metadata={"help": "How fused MoE experts run: eager or grouped_mm (default: the model's)."},
@@ -37,10 +41,12 @@ class QuantizationArguments:
 
     def __post_init__(self) -> None:
         resolve_config(self.recipe)  # unknown names raise, listing presets and recipes
-        for name in ("calib_size", "calib_batch_size"):
+        for name in ("calib_size", "calib_batch_size", "calib_seq_len"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
+        if self.calib_dataset is not None and not Path(self.calib_dataset).is_file():
+            raise ValueError(f"calib_dataset={self.calib_dataset!r} is not a file")
         if self.experts_implementation not in (None, *_EXPERTS):
             raise ValueError(f"experts_implementation={self.experts_implementation!r} (allowed: {_EXPERTS})")
         if self.gc_refreeze_every is not None and self.gc_refreeze_every < 1:

@@ -8,6 +8,8 @@ logits are recomputed in backward (activation checkpointing), so memory holds on
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -16,13 +18,25 @@ __all__ = ["chunked_distillation_loss"]
 
 
 def _chunk_sums(
-    hs: torch.Tensor, ht: torch.Tensor, labels: torch.Tensor, ws: torch.Tensor, bs: torch.Tensor | None,
-    wt: torch.Tensor, bt: torch.Tensor | None, temperature: float, kd_weight: float, ce_weight: float,
-) -> torch.Tensor:  # fmt: skip
+    hs: torch.Tensor,
+    ht: torch.Tensor,
+    labels: torch.Tensor,
+    student_head: Callable[[torch.Tensor], torch.Tensor],
+    teacher_head: Callable[[torch.Tensor], torch.Tensor],
+    temperature: float,
+    kd_weight: float,
+    ce_weight: float,
+) -> torch.Tensor:
     mask = labels != -100
-    student = F.linear(hs, ws, bs).float()
+    student = student_head(hs).float()
     with torch.no_grad():
-        teacher_logp = F.log_softmax(F.linear(ht, wt, bt).float() / temperature, dim=-1)
+        teacher = teacher_head(ht).float()
+    if student.shape[-1] != teacher.shape[-1]:
+        raise ValueError(
+            f"student vocabulary ({student.shape[-1]}) differs from the teacher's ({teacher.shape[-1]}): "
+            "distillation needs the same tokenizer"
+        )
+    teacher_logp = F.log_softmax(teacher / temperature, dim=-1)
     student_logp = F.log_softmax(student / temperature, dim=-1)
     kl = (teacher_logp.exp() * (teacher_logp - student_logp)).sum(-1)
     total = kd_weight * temperature**2 * (kl * mask).sum()
@@ -32,24 +46,34 @@ def _chunk_sums(
     return total
 
 
+def _out_features(head: Callable[[torch.Tensor], torch.Tensor]) -> int | None:
+    weight = getattr(head, "weight", None)
+    return weight.shape[0] if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
+
+
 def chunked_distillation_loss(
     student_hidden: torch.Tensor,
     teacher_hidden: torch.Tensor,
     labels: torch.Tensor,
-    student_head: torch.nn.Module,
-    teacher_head: torch.nn.Module,
+    student_head: Callable[[torch.Tensor], torch.Tensor],
+    teacher_head: Callable[[torch.Tensor], torch.Tensor],
     temperature: float = 1.0,
     kd_weight: float = 1.0,
     ce_weight: float = 0.0,
     chunk_size: int = 512,
+    num_items: int | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Distillation loss from the last hidden states ``(batch, seq, hidden)`` and the two LM heads."""
+    """Distillation loss from the last hidden states ``(batch, seq, hidden)`` and the two LM heads (modules
+    or functions: a quantized ``lm_head`` runs with its quantizers; ``nn.Identity`` turns the hidden states
+    into logits). Divided by the number of predicted tokens, or by ``num_items`` when given (the token count
+    of a whole accumulated batch)."""
     if temperature <= 0 or chunk_size < 1:
         raise ValueError(f"temperature={temperature} must be > 0 and chunk_size={chunk_size} >= 1")
-    if student_head.weight.shape[0] != teacher_head.weight.shape[0]:
+    vocab_s, vocab_t = _out_features(student_head), _out_features(teacher_head)
+    if vocab_s is not None and vocab_t is not None and vocab_s != vocab_t:
         raise ValueError(
-            f"student vocabulary ({student_head.weight.shape[0]}) differs from the teacher's "
-            f"({teacher_head.weight.shape[0]}): distillation needs the same tokenizer"
+            f"student vocabulary ({vocab_s}) differs from the teacher's ({vocab_t}): distillation needs the "
+            "same tokenizer"
         )
     if student_hidden.shape[:2] != labels.shape or teacher_hidden.shape[:2] != labels.shape:
         raise ValueError(
@@ -59,14 +83,20 @@ def chunked_distillation_loss(
     hs = student_hidden[:, :-1].reshape(-1, student_hidden.shape[-1])
     ht = teacher_hidden[:, :-1].reshape(-1, teacher_hidden.shape[-1]).detach()
     lab = labels[:, 1:].reshape(-1)
-    count = (lab != -100).sum()
+    count = (lab != -100).sum() if num_items is None else torch.as_tensor(num_items, device=hs.device)
     total = student_hidden.new_zeros((), dtype=torch.float32)
-    params = (student_head.weight, getattr(student_head, "bias", None))
-    teacher = (teacher_head.weight.detach(), getattr(teacher_head, "bias", None))
     for start in range(0, hs.shape[0], chunk_size):
         part = slice(start, start + chunk_size)
         total = total + checkpoint(
-            _chunk_sums, hs[part], ht[part], lab[part], *params, *teacher, temperature, kd_weight, ce_weight,
+            _chunk_sums,
+            hs[part],
+            ht[part],
+            lab[part],
+            student_head,
+            teacher_head,
+            temperature,
+            kd_weight,
+            ce_weight,
             use_reentrant=False,
-        )  # fmt: skip
+        )
     return total / count.clamp_min(1)

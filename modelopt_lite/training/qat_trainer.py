@@ -1,20 +1,37 @@
 """``QATTrainer``: a ``transformers.Trainer`` that quantizes and calibrates the model as a visible, logged
-step before the training loop, and runs the garbage-collector policy around the steps.
+step before the training loop, saves the quantizer state with every checkpoint, restores it on resume, and
+runs the garbage-collector policy around the steps.
 
-Work in progress toward the full trainer (checkpointed quantizer state with exact resume, QAD, FSDP2): this
-first step covers calibration before the loop and the gc policy.
+Control flow of ``train()``:
+
+1. with ``resume_from_checkpoint``: re-create the quantizers from the checkpoint's
+   ``modelopt_lite_state.json`` (the recipe must be the same; the weights and amax load with the rest of
+   the checkpoint); otherwise, unless the model already carries quantizer state, quantize with
+   ``quant_args.recipe`` and calibrate on ``calib_dataset`` (or the first ``calib_size`` train samples);
+2. ``Trainer.train`` runs the loop; ``training_step`` collects garbage first, a callback freezes the
+   collector after the first optimizer step;
+3. on exit (also on error) the collector is unfrozen if this trainer froze it.
 """
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import get_last_checkpoint
 
 from ..logging import get_logger
-from ..quantization import quant_state, quantize
+from ..opt.checkpoint import STATE_FILE
+from ..opt.hf import attached
+from ..opt.state import modelopt_state, restore_from_modelopt_state
+from ..quantization import need_calibration, quant_state, quantize, resolve_config
+from ..quantization.config import plain
 from .arguments import QuantizationArguments
+from .calib_data import calibration_samples
 from .gc_policy import GCPolicy
 
 __all__ = ["QATTrainer"]
@@ -32,26 +49,80 @@ class _GCCallback(TrainerCallback):
         self.policy.after_optimizer_step()
 
 
+def _first_difference(a: Any, b: Any, path: str = "") -> str | None:
+    """Where two plain JSON values first differ, as ``path: a != b``; None when equal."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in sorted(set(a) | set(b), key=str):
+            if key not in a or key not in b:
+                return f"{path}.{key}: {'missing' if key not in a else a[key]!r} != " + (
+                    "missing" if key not in b else repr(b[key])
+                )
+            found = _first_difference(a[key], b[key], f"{path}.{key}")
+            if found:
+                return found
+        return None
+    if isinstance(a, list) and isinstance(b, list):
+        if len(a) != len(b):
+            return f"{path}: {len(a)} entries != {len(b)} entries"
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            found = _first_difference(x, y, f"{path}[{i}]")
+            if found:
+                return found
+        return None
+    return None if a == b else f"{path}: {a!r} != {b!r}"
+
+
 class QATTrainer(Trainer):
-    def __init__(self, *args: Any, quant_args: QuantizationArguments | None = None, **kwargs: Any):
+    """``Trainer`` for quantization-aware training. Extra keyword arguments:
+
+    * ``quant_args``: :class:`QuantizationArguments` (recipe, calibration size, gc policy, ...);
+    * ``calib_dataset``: a dataset of tokenized samples for calibration (default: ``quant_args.calib_dataset``
+      read and tokenized with ``processing_class``, else the first ``calib_size`` train samples).
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        quant_args: QuantizationArguments | None = None,
+        calib_dataset: Any = None,
+        **kwargs: Any,
+    ):
         super().__init__(*args, **kwargs)
         self.quant_args = quant_args or QuantizationArguments()
+        self.calib_dataset = calib_dataset
         self.gc_policy = GCPolicy(self.quant_args.manual_gc, self.quant_args.gc_refreeze_every)
         self.add_callback(_GCCallback(self.gc_policy))
 
-    def _calibration_batches(self) -> list[dict[str, torch.Tensor]]:
+    # -- calibration ---------------------------------------------------------------------------------------
+    def _calibration_source(self) -> Any:
+        if self.calib_dataset is not None:
+            return self.calib_dataset
+        if self.quant_args.calib_dataset is not None:
+            return calibration_samples(
+                self.quant_args.calib_dataset, self.processing_class, self.quant_args.calib_seq_len
+            )
         if self.train_dataset is None:
-            raise ValueError("QATTrainer needs a train_dataset (calibration uses its first samples)")
+            raise ValueError(
+                "QATTrainer needs calibration data: pass train_dataset (its first calib_size samples are "
+                "used), calib_dataset=..., or QuantizationArguments(calib_dataset=PATH)"
+            )
+        return self.train_dataset
+
+    def _calibration_batches(self) -> list[dict[str, torch.Tensor]]:
+        source = self._calibration_source()
         size = self.quant_args.calib_size
-        if len(self.train_dataset) < size:
-            logger.warning("calib_size=%d is larger than the dataset (%d samples): using all of them", size,
-                           len(self.train_dataset))  # fmt: skip
-        samples = [self.train_dataset[i] for i in range(min(size, len(self.train_dataset)))]
+        if len(source) < size:
+            logger.warning(
+                "calib_size=%d is larger than the calibration data (%d samples): using all of them",
+                size,
+                len(source),
+            )
+        samples = [source[i] for i in range(min(size, len(source)))]
         bs = self.quant_args.calib_batch_size
         batches = []
         for start in range(0, len(samples), bs):
             batch = self.data_collator(samples[start : start + bs])
-            batches.append({k: v for k, v in batch.items() if k != "labels"})
+            batches.append({k: v.to(self.args.device) for k, v in batch.items() if k != "labels"})
         return batches
 
     def quantize_model(self) -> None:
@@ -60,19 +131,77 @@ class QATTrainer(Trainer):
         if quant_state(model) is not None:
             logger.info("model already quantized (restored quantizer state): skipping calibration")
             return
-        logger.info("quantizing with %s and calibrating on %d sample(s)", self.quant_args.recipe,
-                    self.quant_args.calib_size)  # fmt: skip
-        quantize(
-            model, self.quant_args.recipe, self._calibration_batches(), self.quant_args.experts_implementation
-        )
+        batches = self._calibration_batches() if need_calibration(self.quant_args.recipe) else None
+        samples = sum(len(next(iter(b.values()))) for b in batches or [])
+        logger.info("quantizing with %s and calibrating on %d sample(s)", self.quant_args.recipe, samples)
+        quantize(model, self.quant_args.recipe, batches, self.quant_args.experts_implementation)
 
-    def train(self, *args: Any, **kwargs: Any):
-        self.quantize_model()
+    # -- checkpoints -------------------------------------------------------------------------------------
+    def _expected_config(self) -> dict[str, Any]:
+        state = quant_state(self.model)
+        config = state.config if state is not None else resolve_config(self.quant_args.recipe)
+        return plain(config.to_dict(), str_keys=True)
+
+    def _restore_from_checkpoint(self, checkpoint: str) -> None:
+        path = Path(checkpoint) / STATE_FILE
+        if not path.is_file():
+            raise ValueError(
+                f"{checkpoint} holds no {STATE_FILE}: it was not written by a QATTrainer (resume with the "
+                "trainer that made it, or start from the model without resume_from_checkpoint)"
+            )
+        saved = json.loads(path.read_text())
+        difference = _first_difference(saved["modelopt_state"]["quant_config"], self._expected_config())
+        if difference:
+            raise ValueError(
+                f"{checkpoint} was made with recipe {saved.get('recipe')!r}, this run uses "
+                f"{self.quant_args.recipe!r}; the quantization configs differ at {difference}. Resume with "
+                "the checkpoint's recipe, or start a new run"
+            )
+        if quant_state(self.model) is None:
+            restore_from_modelopt_state(self.model, saved["modelopt_state"])
+            logger.info(
+                "restored %d quantizers from %s (weights and amax load with the checkpoint)",
+                len(saved["modelopt_state"]["quantizers"]),
+                checkpoint,
+            )
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Save as ``Trainer`` does (also every checkpoint), with ``config.json`` carrying the quantizer state
+        (``quant_method: "modelopt_lite"``: ``from_pretrained`` restores it after
+        ``mto.enable_huggingface_checkpointing()``) and the state as JSON beside the weights (``mto.restore``
+        reads the directory)."""
+        model = self.accelerator.unwrap_model(self.model)
+        if quant_state(model) is None:
+            super().save_model(output_dir, _internal_call)
+            return
+        with attached(model):
+            super().save_model(output_dir, _internal_call)
+        if self.args.should_save:
+            output = Path(output_dir or self.args.output_dir)
+            state = {"recipe": self.quant_args.recipe, "modelopt_state": modelopt_state(model)}
+            (output / STATE_FILE).write_text(json.dumps(state, indent=1))
+
+    # -- the loop ----------------------------------------------------------------------------------------
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"no checkpoint to resume from in {self.args.output_dir}")
+        if resume_from_checkpoint:
+            if not os.path.isdir(resume_from_checkpoint):
+                raise ValueError(f"resume_from_checkpoint={resume_from_checkpoint!r} is not a directory")
+            self._restore_from_checkpoint(str(resume_from_checkpoint))
+        else:
+            self.quantize_model()
         try:
-            return super().train(*args, **kwargs)
+            return super().train(resume_from_checkpoint, *args, **kwargs)
         finally:
             self.gc_policy.close()
 
     def training_step(self, *args: Any, **kwargs: Any):
         self.gc_policy.before_step()
         return super().training_step(*args, **kwargs)
+
+    def prediction_step(self, *args: Any, **kwargs: Any):
+        self.gc_policy.evaluation_step()
+        return super().prediction_step(*args, **kwargs)

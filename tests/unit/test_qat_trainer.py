@@ -1,27 +1,24 @@
-"""QATTrainer (first step): calibration before the loop, gc freeze from step 2 and unfreeze on exit."""
+"""QATTrainer: calibration before the loop, gc policy, checkpointed quantizer state with exact resume,
+save_model that mto / from_pretrained restore, QAT that learns, and the bad-input list."""
 
 import gc
+import json
+import weakref
 
+import pytest
 import torch
-from transformers import TrainerCallback, TrainingArguments
+from transformers import LlamaForCausalLM, TrainerCallback
 
+import modelopt_lite.opt as mto
 from modelopt_lite.nn import QuantModule
-from modelopt_lite.quantization import quant_state
+from modelopt_lite.opt.checkpoint import STATE_FILE
+from modelopt_lite.quantization import iter_quantizers, quant_state
 from modelopt_lite.training import QATTrainer, QuantizationArguments
 
-from ._models import VOCAB, tiny_llama
+from ._models import tiny_llama
+from ._training import CountingData, cpu_args, step_losses
 
-
-class _Data(torch.utils.data.Dataset):
-    def __init__(self, n=16, seq=16):
-        g = torch.Generator().manual_seed(0)
-        self.ids = torch.randint(0, VOCAB, (n, seq), generator=g)
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+NVFP4 = QuantizationArguments(recipe="NVFP4_DEFAULT_CFG", calib_size=8)
 
 
 class _FreezeCounts(TrainerCallback):
@@ -32,15 +29,37 @@ class _FreezeCounts(TrainerCallback):
         self.counts.append(gc.get_freeze_count())
 
 
-def test_quantizes_before_the_loop_and_manages_the_gc(tmp_path, lib_caplog):
+class _RaiseAt(TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            raise RuntimeError("boom")
+
+
+@pytest.fixture(autouse=True)
+def _unfrozen():
     gc.unfreeze()
+    yield
+    gc.unfreeze()
+
+
+def _state(model):
+    tensors = {k: v.clone() for k, v in model.state_dict().items()}
+    return tensors, {n: q.extra_repr() for n, q in iter_quantizers(model)}
+
+
+def test_quantizes_before_the_loop_and_manages_the_gc(tmp_path, lib_caplog):
     model = tiny_llama()
-    args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4,
-                             learning_rate=1e-3, report_to=[], save_strategy="no", use_cpu=True)  # fmt: skip
     counts = _FreezeCounts()
-    trainer = QATTrainer(model=model, args=args, train_dataset=_Data(),
-                         quant_args=QuantizationArguments(recipe="NVFP4_DEFAULT_CFG", calib_size=8),
-                         callbacks=[counts])  # fmt: skip
+    trainer = QATTrainer(
+        model=model,
+        args=cpu_args(tmp_path),
+        train_dataset=CountingData(),
+        quant_args=NVFP4,
+        callbacks=[counts],
+    )
     result = trainer.train()
     assert quant_state(model) is not None
     assert isinstance(model.model.layers[0].mlp.up_proj, QuantModule)
@@ -50,3 +69,179 @@ def test_quantizes_before_the_loop_and_manages_the_gc(tmp_path, lib_caplog):
     assert all(c > 0 for c in counts.counts[1:])  # frozen from step 2 on
     assert gc.get_freeze_count() == 0  # unfrozen when train() returns
     assert torch.isfinite(torch.tensor(result.training_loss))
+
+
+def test_a_model_in_a_reference_cycle_is_freed_after_train(tmp_path):
+    model = tiny_llama()
+    model.cycle = [model]  # only the cyclic collector can free it
+    alive = weakref.ref(model)
+    trainer = QATTrainer(model=model, args=cpu_args(tmp_path), train_dataset=CountingData(), quant_args=NVFP4)
+    trainer.train()
+    del model, trainer
+    gc.collect()
+    assert alive() is None
+
+
+def test_a_step_that_raises_restores_the_gc(tmp_path):
+    trainer = QATTrainer(
+        model=tiny_llama(),
+        args=cpu_args(tmp_path),
+        train_dataset=CountingData(),
+        quant_args=NVFP4,
+        callbacks=[_RaiseAt(2)],
+    )
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.train()
+    assert trainer.gc_policy.optimizer_steps == 2  # it had frozen
+    assert gc.get_freeze_count() == 0
+
+
+def test_gc_policy_can_be_switched_off(tmp_path):
+    counts = _FreezeCounts()
+    quant = QuantizationArguments(recipe="NVFP4_DEFAULT_CFG", calib_size=8, manual_gc=False)
+    trainer = QATTrainer(
+        model=tiny_llama(),
+        args=cpu_args(tmp_path),
+        train_dataset=CountingData(),
+        quant_args=quant,
+        callbacks=[counts],
+    )
+    trainer.train()
+    assert counts.counts == [0, 0, 0, 0]
+
+
+def _run(tmp_path, steps, resume=None, save_steps=5):
+    args = cpu_args(tmp_path, max_steps=10, save_strategy="steps", save_steps=save_steps)
+    trainer = QATTrainer(
+        model=tiny_llama(),
+        args=args,
+        train_dataset=CountingData(n=64),
+        quant_args=NVFP4,
+        callbacks=[_StopAt(steps)],
+    )
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer
+
+
+class _StopAt(TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= self.step:
+            control.should_training_stop = True
+
+
+def test_resume_is_exact(tmp_path):
+    full = _run(tmp_path / "full", 10, save_steps=100)
+    first = _run(tmp_path / "split", 5)
+    assert (tmp_path / "split" / "checkpoint-5" / STATE_FILE).is_file()
+    resumed = _run(tmp_path / "split", 10, resume=str(tmp_path / "split" / "checkpoint-5"))
+    assert len(step_losses(full)) == 10
+    assert step_losses(first) + step_losses(resumed)[-5:] == step_losses(full)
+    weights, quantizers = _state(full.model)
+    weights_r, quantizers_r = _state(resumed.model)
+    assert quantizers == quantizers_r
+    assert weights.keys() == weights_r.keys()
+    assert all(torch.equal(weights[k], weights_r[k]) for k in weights)
+    assert any(k.endswith("input_quantizer._amax") for k in weights)  # amax took part in the comparison
+
+
+def test_resume_with_another_recipe_names_the_difference(tmp_path):
+    _run(tmp_path, 5)
+    args = cpu_args(tmp_path, max_steps=10)
+    trainer = QATTrainer(
+        model=tiny_llama(),
+        args=args,
+        train_dataset=CountingData(),
+        quant_args=QuantizationArguments(recipe="FP8_DEFAULT_CFG", calib_size=8),
+    )
+    with pytest.raises(ValueError, match=r"NVFP4_DEFAULT_CFG.*FP8_DEFAULT_CFG.*differ at .*quant_cfg"):
+        trainer.train(resume_from_checkpoint=True)
+    assert quant_state(trainer.model) is None
+
+
+def test_resume_from_a_checkpoint_without_state_is_refused(tmp_path):
+    (tmp_path / "checkpoint-3").mkdir()
+    trainer = QATTrainer(
+        model=tiny_llama(), args=cpu_args(tmp_path), train_dataset=CountingData(), quant_args=NVFP4
+    )
+    with pytest.raises(ValueError, match=f"holds no {STATE_FILE}"):
+        trainer.train(resume_from_checkpoint=True)
+
+
+def test_save_model_is_restorable_by_mto_and_from_pretrained(tmp_path):
+    trainer = QATTrainer(
+        model=tiny_llama(), args=cpu_args(tmp_path), train_dataset=CountingData(), quant_args=NVFP4
+    )
+    trainer.train()
+    trainer.save_model(str(tmp_path / "final"))
+    saved = json.loads((tmp_path / "final" / STATE_FILE).read_text())
+    assert saved["recipe"] == "NVFP4_DEFAULT_CFG"
+    assert "quantization_config" not in trainer.model.config.to_dict()  # attached only while saving
+    model = trainer.model.eval()
+    ids = CountingData().ids[:2]
+    expected = model(ids).logits
+
+    restored = mto.restore(tiny_llama(seed=1), tmp_path / "final")
+    assert torch.equal(restored(ids).logits, expected)
+    mto.enable_huggingface_checkpointing()
+    try:
+        loaded = LlamaForCausalLM.from_pretrained(tmp_path / "final").eval()
+    finally:
+        mto.disable_huggingface_checkpointing()
+    assert quant_state(loaded) is not None or any(isinstance(m, QuantModule) for m in loaded.modules())
+    assert torch.equal(loaded(ids).logits, expected)
+
+
+def test_qat_lowers_the_training_loss(tmp_path):
+    args = cpu_args(tmp_path, max_steps=40, learning_rate=3e-3, lr_scheduler_type="constant")
+    trainer = QATTrainer(model=tiny_llama(), args=args, train_dataset=CountingData(n=64), quant_args=NVFP4)
+    trainer.train()
+    losses = step_losses(trainer)
+    assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5, losses
+
+
+def test_calibration_from_a_text_file(tmp_path, lib_caplog):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.WordLevel({f"w{i}": i for i in range(128)}, unk_token="w0"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, pad_token="w0")
+    text = tmp_path / "calib.txt"
+    text.write_text(" ".join(f"w{i % 128}" for i in range(200)))
+    quant = QuantizationArguments(
+        recipe="FP8_DEFAULT_CFG", calib_size=100, calib_dataset=str(text), calib_seq_len=32
+    )
+    trainer = QATTrainer(
+        model=tiny_llama(),
+        args=cpu_args(tmp_path, max_steps=1),
+        train_dataset=CountingData(),
+        quant_args=quant,
+        processing_class=tokenizer,
+    )
+    trainer.train()
+    assert any("larger than the calibration data (6 samples)" in r.getMessage() for r in lib_caplog.records)
+    assert any("calibrating on 6 sample" in r.getMessage() for r in lib_caplog.records)
+
+
+def test_calib_size_larger_than_the_train_data_warns(tmp_path, lib_caplog):
+    quant = QuantizationArguments(recipe="FP8_DEFAULT_CFG", calib_size=1000)
+    trainer = QATTrainer(
+        model=tiny_llama(),
+        args=cpu_args(tmp_path, max_steps=1),
+        train_dataset=CountingData(n=12),
+        quant_args=quant,
+    )
+    trainer.train()
+    warnings = [
+        r for r in lib_caplog.records if r.levelname == "WARNING" and "calib_size=1000" in r.getMessage()
+    ]
+    assert len(warnings) == 1
+    assert "12 samples" in warnings[0].getMessage()
+
+
+def test_unknown_recipe_is_refused():
+    with pytest.raises(ValueError, match="unknown preset or recipe"):
+        QuantizationArguments(recipe="general/qat/nvfp5")

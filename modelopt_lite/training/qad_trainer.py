@@ -1,0 +1,130 @@
+"""``QADTrainer``: quantization-aware distillation. The quantized student learns the teacher's
+distribution: ``loss = kd_loss_weight * T^2 * KL(teacher_T || student_T) + ce_loss_weight * CE`` over the
+shifted tokens whose label is not ``-100``.
+
+Both models return their last hidden states and no logits (``logits_to_keep`` selects no position); the
+loss runs the two LM heads chunk by chunk (:func:`chunked_distillation_loss`), so the full-vocabulary fp32
+logits of the two models are never held at once. Models whose ``forward`` has no ``logits_to_keep`` fall
+back to full logits (a WARNING says so).
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from ..logging import get_logger
+from .arguments import DistillationArguments
+from .distill_loss import chunked_distillation_loss
+from .qat_trainer import QATTrainer
+
+__all__ = ["QADTrainer"]
+
+logger = get_logger(__name__)
+_WARNED: set[type] = set()
+
+
+def _vocab(model: nn.Module) -> int | None:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    return weight.shape[0] if isinstance(weight, torch.Tensor) else getattr(model.config, "vocab_size", None)
+
+
+def _load_teacher(path: str, dtype: torch.dtype) -> nn.Module:
+    if not Path(path).is_dir():
+        raise ValueError(
+            f"teacher_model={path!r} is not a directory; give the path of a saved model "
+            "(save_pretrained) or pass the teacher as an nn.Module"
+        )
+    logger.info("loading the teacher from %s (%s, local files only)", path, dtype)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+
+
+class QADTrainer(QATTrainer):
+    """``QATTrainer`` with a frozen teacher. Extra keyword arguments: ``distill_args``
+    (:class:`DistillationArguments`) and ``teacher_model`` (an ``nn.Module``; default:
+    ``distill_args.teacher_model`` loaded from its path)."""
+
+    def __init__(
+        self,
+        *args: Any,
+        distill_args: DistillationArguments | None = None,
+        teacher_model: nn.Module | str | None = None,
+        **kwargs: Any,
+    ):
+        super().__init__(*args, **kwargs)
+        self.distill_args = distill_args or DistillationArguments()
+        teacher = teacher_model if teacher_model is not None else self.distill_args.teacher_model
+        if teacher is None:
+            raise ValueError(
+                "QADTrainer needs a teacher: DistillationArguments(teacher_model=PATH) or teacher_model=..."
+            )
+        student = self.accelerator.unwrap_model(self.model)
+        dtype = next(student.parameters()).dtype
+        teacher = _load_teacher(teacher, dtype) if isinstance(teacher, (str, Path)) else teacher
+        if not isinstance(teacher, nn.Module):
+            raise TypeError(f"teacher_model must be a path or an nn.Module, got {type(teacher).__name__}")
+        vocab_t, vocab_s = _vocab(teacher), _vocab(student)
+        if vocab_t != vocab_s:
+            raise ValueError(
+                f"the teacher's vocabulary ({vocab_t}) differs from the student's ({vocab_s}): distillation "
+                "compares their next-token distributions and needs the same tokenizer"
+            )
+        self.teacher = teacher.to(device=self.args.device, dtype=dtype).eval().requires_grad_(False)
+        # The loss is a per-micro-batch mean; Trainer divides by the accumulation steps.
+        self.model_accepts_loss_kwargs = False
+
+    @staticmethod
+    def _last_hidden(model: nn.Module, inputs: dict[str, Any]) -> tuple[torch.Tensor, nn.Module | None]:
+        """The last hidden state and the LM head, or (full logits, None) for models without
+        ``logits_to_keep``."""
+        inner = getattr(model, "module", model)
+        if "logits_to_keep" in inspect.signature(inner.forward).parameters:
+            device = inputs["input_ids"].device
+            nothing = torch.empty(0, dtype=torch.long, device=device)
+            out = model(**inputs, output_hidden_states=True, logits_to_keep=nothing)
+            return out.hidden_states[-1], inner.get_output_embeddings()
+        if type(inner) not in _WARNED:
+            _WARNED.add(type(inner))
+            logger.warning(
+                "%s.forward has no logits_to_keep: distilling on full logits", type(inner).__name__
+            )
+        return model(**inputs).logits, None
+
+    def compute_loss(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ):
+        inputs = dict(inputs)
+        labels = inputs.pop("labels", None)
+        if labels is None:  # plain language modelling: predict the input, skip padding
+            labels = inputs["input_ids"].clone()
+            if "attention_mask" in inputs:
+                labels[inputs["attention_mask"] == 0] = -100
+        student_hidden, student_head = self._last_hidden(model, inputs)
+        with torch.no_grad():
+            teacher_hidden, teacher_head = self._last_hidden(self.teacher, inputs)
+        args = self.distill_args
+        loss = chunked_distillation_loss(
+            student_hidden,
+            teacher_hidden,
+            labels,
+            student_head or nn.Identity(),
+            teacher_head or nn.Identity(),
+            temperature=args.temperature,
+            kd_weight=args.kd_loss_weight,
+            ce_weight=args.ce_loss_weight,
+            chunk_size=args.distill_chunk_size,
+        )
+        if not return_outputs:
+            return loss
+        logits = student_head(student_hidden) if student_head is not None else student_hidden
+        return loss, {"loss": loss, "logits": logits}

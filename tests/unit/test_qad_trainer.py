@@ -1,0 +1,136 @@
+"""QADTrainer: teacher handling, chunked loss equal to the unchunked one, KL to the teacher goes down, and
+the bad-input list."""
+
+import gc
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from modelopt_lite.quantization import quant_state
+from modelopt_lite.training import DistillationArguments, QADTrainer, QuantizationArguments
+from modelopt_lite.training.distill_loss import chunked_distillation_loss
+
+from ._models import tiny_llama, tiny_qwen3_moe
+from ._training import CountingData, cpu_args, step_losses
+
+NVFP4 = QuantizationArguments(recipe="NVFP4_DEFAULT_CFG", calib_size=8)
+
+
+@pytest.fixture(autouse=True)
+def _unfrozen():
+    gc.unfreeze()
+    yield
+    gc.unfreeze()
+
+
+def _kl(student, teacher, ids):
+    with torch.no_grad():
+        s, t = student(ids, output_hidden_states=True), teacher(ids, output_hidden_states=True)
+        return chunked_distillation_loss(
+            s.hidden_states[-1], t.hidden_states[-1], ids, student.lm_head, teacher.lm_head
+        ).item()
+
+
+def _trained_teacher(tmp_path):
+    """A teacher that knows the counting data (a few plain steps), so the student has something to learn."""
+    from transformers import Trainer
+
+    teacher = tiny_llama(seed=1)
+    Trainer(
+        model=teacher,
+        args=cpu_args(tmp_path / "teacher", max_steps=60, learning_rate=3e-3, lr_scheduler_type="constant"),
+        train_dataset=CountingData(n=64),
+    ).train()
+    return teacher.eval()
+
+
+def test_qad_lowers_the_kl_to_the_teacher_and_keeps_it_frozen(tmp_path):
+    teacher = _trained_teacher(tmp_path)
+    before_teacher = {k: v.clone() for k, v in teacher.state_dict().items()}
+    student = tiny_llama()
+    ids = CountingData(n=8, seed=5).ids
+    args = cpu_args(tmp_path, max_steps=30, learning_rate=3e-3, lr_scheduler_type="constant")
+    trainer = QADTrainer(
+        model=student,
+        args=args,
+        train_dataset=CountingData(n=64),
+        quant_args=NVFP4,
+        distill_args=DistillationArguments(distill_chunk_size=7),
+        teacher_model=teacher,
+    )
+    assert not any(p.requires_grad for p in trainer.teacher.parameters())
+    trainer.quantize_model()
+    kl_before = _kl(student.eval(), teacher, ids)
+    trainer.train()
+    kl_after = _kl(student.eval(), teacher, ids)
+    assert quant_state(student) is not None
+    assert kl_after < 0.5 * kl_before, (kl_before, kl_after)
+    assert not trainer.teacher.training
+    assert all(torch.equal(v, teacher.state_dict()[k]) for k, v in before_teacher.items())
+    assert step_losses(trainer)[-1] < step_losses(trainer)[0]
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_qwen3_moe])
+def test_the_loss_is_the_unchunked_kl_at_temperature_with_ce(tmp_path, make):
+    teacher = make(seed=1)
+    distill = DistillationArguments(temperature=2.0, ce_loss_weight=0.5, distill_chunk_size=5)
+    trainer = QADTrainer(
+        model=make(),
+        args=cpu_args(tmp_path),
+        train_dataset=CountingData(),
+        quant_args=NVFP4,
+        distill_args=distill,
+        teacher_model=teacher,
+    )
+    trainer.quantize_model()
+    batch = trainer.data_collator([CountingData()[i] for i in range(3)])
+    batch["labels"][0, :4] = -100
+    loss = trainer.compute_loss(trainer.model, batch)
+    # independent full-logits computation
+    logits_s = trainer.model(batch["input_ids"]).logits[:, :-1].float()
+    logits_t = teacher(batch["input_ids"]).logits[:, :-1].float()
+    labels = batch["labels"][:, 1:]
+    mask = labels != -100
+    kl = torch.nn.functional.kl_div(
+        torch.log_softmax(logits_s / 2, -1),
+        torch.log_softmax(logits_t / 2, -1),
+        log_target=True,
+        reduction="none",
+    ).sum(-1)
+    ce = torch.nn.functional.cross_entropy(
+        logits_s.transpose(1, 2), labels, reduction="none", ignore_index=-100
+    )
+    expected = ((4 * kl + 0.5 * ce) * mask).sum() / mask.sum()
+    assert torch.allclose(loss, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_teacher_from_a_path_in_the_students_dtype(tmp_path):
+    tiny_llama(seed=1).save_pretrained(tmp_path / "teacher")
+    student = tiny_llama().to(torch.bfloat16)
+    trainer = QADTrainer(
+        model=student,
+        args=cpu_args(tmp_path),
+        train_dataset=CountingData(),
+        quant_args=NVFP4,
+        distill_args=DistillationArguments(teacher_model=str(tmp_path / "teacher")),
+    )
+    assert next(trainer.teacher.parameters()).dtype == torch.bfloat16
+    assert not trainer.teacher.training
+    trainer.train()
+    assert torch.isfinite(torch.tensor(step_losses(trainer))).all()
+
+
+def test_bad_teachers_are_refused_before_training(tmp_path):
+    other_vocab = LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, vocab_size=200
+        )
+    )
+    common = dict(model=tiny_llama(), args=cpu_args(tmp_path), train_dataset=CountingData(), quant_args=NVFP4)
+    with pytest.raises(ValueError, match=r"vocabulary \(200\) differs from the student's \(128\)"):
+        QADTrainer(**common, teacher_model=other_vocab)
+    with pytest.raises(ValueError, match="is not a directory"):
+        QADTrainer(**common, distill_args=DistillationArguments(teacher_model=str(tmp_path / "missing")))
+    with pytest.raises(ValueError, match="needs a teacher"):
+        QADTrainer(**common)

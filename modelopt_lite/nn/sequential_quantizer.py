@@ -41,6 +41,11 @@ class SequentialQuantizer(nn.ModuleList):
     def is_enabled(self) -> bool:
         return any(q.is_enabled for q in self)
 
+    @property
+    def _quant_enabled(self) -> bool:
+        """Whether fake quantization is on (for code that checks a slot without knowing its type)."""
+        return any(q._quant_enabled for q in self)
+
     def enable(self) -> None:
         for q in self:
             q.enable()

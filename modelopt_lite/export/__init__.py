@@ -1,0 +1,40 @@
+"""Floor 4: the unified Hugging Face checkpoint (``quant_method: "modelopt"``) that inference engines load.
+
+    from modelopt_lite.export import export_hf_checkpoint, load_hf_checkpoint
+    export_hf_checkpoint(model, "out/llama-nvfp4", tokenizer=tokenizer)
+    model = load_hf_checkpoint("out/llama-nvfp4", dtype=torch.bfloat16)  # dequantized
+
+Packers (format -> tensors) register with :func:`register_packer`; the layer walk recognises formats from
+the quantizers' attributes; post-export verification reads the files back.
+"""
+
+from .hf_config import QUANT_METHOD, hf_quant_config, quantization_config
+from .layers import SHARED_INPUT_GROUPS, UnsupportedFormatError, detect_format, unify_shared_scales
+from .loader import ModeloptExportConfig, ModeloptExportQuantizer, load_hf_checkpoint, read_hf_quant_config
+from .packers import PACKERS, Packer, get_packer, register_packer
+from .verify import ExportVerificationError, read_checkpoint, verify_export
+from .writer import ExportResult, export_hf_checkpoint, parse_size
+
+__all__ = [
+    "PACKERS",
+    "QUANT_METHOD",
+    "SHARED_INPUT_GROUPS",
+    "ExportResult",
+    "ExportVerificationError",
+    "ModeloptExportConfig",
+    "ModeloptExportQuantizer",
+    "Packer",
+    "UnsupportedFormatError",
+    "detect_format",
+    "export_hf_checkpoint",
+    "get_packer",
+    "hf_quant_config",
+    "load_hf_checkpoint",
+    "parse_size",
+    "quantization_config",
+    "read_checkpoint",
+    "read_hf_quant_config",
+    "register_packer",
+    "unify_shared_scales",
+    "verify_export",
+]

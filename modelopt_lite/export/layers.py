@@ -1,0 +1,283 @@
+"""What the export writes, read from a quantized model: one :class:`ExportLayer` per quantized linear map
+(a linear layer, or one projection of one fused expert under its hub name), its format (``quant_algo``),
+the KV-cache scales, the layers that share scales, and the norms that absorb a ``pre_quant_scale``.
+
+Formats are recognised from the quantizers' attributes; a combination the export cannot write raises
+:class:`UnsupportedFormatError` naming the layer and the combination.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..logging import get_logger
+from ..moe import QuantExperts
+from ..nn import QuantAttention, QuantLinear, SequentialQuantizer, TensorQuantizer
+from ..nn.quant_module import Quantizer
+
+__all__ = [
+    "SHARED_INPUT_GROUPS",
+    "ExportLayer",
+    "UnsupportedFormatError",
+    "detect_format",
+    "export_layers",
+    "foldable_norms",
+    "kv_cache_format",
+    "unify_shared_scales",
+]
+
+logger = get_logger(__name__)
+
+#: sibling projections that read one input: engines fuse them and need one input scale (and, for NVFP4,
+#: one weight_scale_2)
+SHARED_INPUT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+#: (norm, the projections that alone read its output) inside one decoder layer
+_NORM_CONSUMERS = (
+    ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+)
+#: (weight kind, input kind) -> quant_algo; "AWQ" variants are chosen by a pre_quant_scale
+_FORMATS = {
+    ("fp8", "fp8"): "FP8",
+    ("fp8_per_channel", "fp8_per_token"): "FP8_PER_CHANNEL_PER_TOKEN",
+    ("int8_per_channel", "int8"): "W8A8_SQ_PER_CHANNEL",
+    ("int8_per_channel", "none"): "W8A16",
+    ("int4_block", "none"): "W4A16_AWQ",
+    ("int4_block+fp8", "fp8"): "W4A8_AWQ",
+    ("nvfp4", "nvfp4"): "NVFP4",
+    ("nvfp4", "none"): "W4A16_NVFP4",
+    ("mxfp8", "mxfp8"): "MXFP8",
+}
+SUPPORTED = "; ".join(f"weight {w} + input {i} -> {a}" for (w, i), a in _FORMATS.items())
+
+
+class UnsupportedFormatError(ValueError):
+    """A layer's quantization cannot be written as a deployable checkpoint."""
+
+
+@dataclass
+class ExportLayer:
+    name: str  # hub name of the linear map (``...q_proj``, ``...experts.3.gate_proj``)
+    quant_algo: str | None  # None: stored unquantized
+    weight: torch.Tensor  # (out, in), as the weight quantizer sees it
+    weight_quantizer: Quantizer | None
+    input_quantizer: TensorQuantizer | None
+    bias: torch.Tensor | None = None
+    split: tuple[str, str] | None = None  # experts gate_up: pack once, write the halves under these names
+
+
+def _kind(q: TensorQuantizer) -> str:
+    spec = q.spec
+    if spec.kind == "fp8" and spec.num_bits == (4, 3):
+        if not spec.block_axes:
+            return {None: "fp8", 0: "fp8_per_channel"}.get(spec.axis, "other")  # type: ignore[arg-type]
+        if spec.dynamic and spec.block_axes == ((-1, None),):
+            return "fp8_per_token"
+    if spec.kind == "int" and not spec.unsigned and not spec.block_axes:
+        if spec.num_bits == 8:
+            return {None: "int8", 0: "int8_per_channel"}.get(spec.axis, "other")  # type: ignore[arg-type]
+    if spec.kind == "int" and spec.num_bits == 4 and not spec.dynamic and len(spec.block_axes) == 1:
+        return "int4_block" if spec.block_axes[0][0] == -1 and not spec.unsigned else "other"
+    if spec.kind == "nvfp4":
+        return "nvfp4"
+    if spec.kind == "mx" and spec.num_bits == (4, 3):
+        return "mxfp8"
+    return "other"
+
+
+def _describe(q: Quantizer | None) -> str:
+    if q is None or not q.is_enabled:
+        return "none"
+    if isinstance(q, SequentialQuantizer):
+        return " -> ".join(_describe(s) for s in q)
+    return f"{q.spec.name} {q.spec.granularity}"
+
+
+def detect_format(name: str, wq: Quantizer | None, iq: TensorQuantizer | None) -> str | None:
+    """The ``quant_algo`` of a linear map with these quantizers (``None``: not quantized)."""
+    if wq is None or not wq.is_enabled:
+        if iq is not None and iq.is_enabled:
+            raise UnsupportedFormatError(
+                f"{name}: input quantizer {_describe(iq)} is enabled but the weight is not quantized; the "
+                "export writes quantized weights only (disable the input quantizer or quantize the weight)"
+            )
+        return None
+    if isinstance(wq, SequentialQuantizer):
+        kinds = [_kind(s) for s in wq if s.is_enabled]
+        weight = "+".join(kinds) if kinds == ["int4_block", "fp8"] else "other"
+    else:
+        weight = _kind(wq)
+    inputs = "none" if iq is None or not iq.is_enabled else _kind(iq)
+    algo = _FORMATS.get((weight, inputs))
+    if algo is None:
+        raise UnsupportedFormatError(
+            f"{name}: the export does not support weight {_describe(wq)} with input {_describe(iq)}. "
+            f"Supported: {SUPPORTED}"
+        )
+    if algo == "NVFP4" and iq is not None and iq.pre_quant_scale is not None:
+        return "NVFP4_AWQ"
+    return algo
+
+
+def kv_cache_format(name: str, module: nn.Module) -> str | None:
+    """``"FP8"`` when the attention module's KV quantizers are FP8 per tensor, ``None`` when both are off."""
+    quantizers = [getattr(module, s) for s in ("k_bmm_quantizer", "v_bmm_quantizer")]
+    if not any(q.is_enabled for q in quantizers):
+        return None
+    for q in quantizers:
+        if not q.is_enabled or _kind(q) != "fp8":
+            raise UnsupportedFormatError(
+                f"{name}: KV cache {q.name.rpartition('.')[2]} is {_describe(q)}; the export writes an FP8 "
+                "per-tensor KV cache (k_scale / v_scale) only: use FP8_KV_CFG or disable the KV quantizers"
+            )
+    if not hasattr(module, "k_proj") or not hasattr(module, "v_proj"):
+        raise UnsupportedFormatError(
+            f"{name}: FP8 KV-cache scales are written as <attn>.k_proj.k_scale / v_proj.v_scale, but "
+            f"{type(module).__name__} has no k_proj / v_proj"
+        )
+    return "FP8"
+
+
+def _experts_layers(name: str, module: QuantExperts) -> Iterator[ExportLayer]:
+    if module.is_transposed:
+        raise UnsupportedFormatError(
+            f"{name}: {type(module).__name__} stores experts as (in, out); the export writes per-expert hub "
+            "names for (out, in) experts (Qwen3-MoE / Mixtral style) only"
+        )
+    first, down = module._projections
+    halves = ("gate_proj", "up_proj") if module.has_gate else None
+    for proj, hub in ((first, halves or "up_proj"), (down, "down_proj")):
+        iq = getattr(module, f"{proj}_input_quantizer")
+        biases = getattr(module, f"{proj}_bias", None) if module.has_bias else None
+        for e, wq in enumerate(getattr(module, f"{proj}_weight_quantizers")):
+            prefix = f"{name}.{e}"
+            algo = detect_format(f"{name}.{proj}[{e}]", wq, iq)
+            bias = None if biases is None else biases[e]
+            if isinstance(hub, tuple):
+                layer = ExportLayer(prefix, algo, module.expert_weight(proj, e), wq, iq, bias)
+                layer.split = (f"{prefix}.{hub[0]}", f"{prefix}.{hub[1]}")
+            else:
+                layer = ExportLayer(f"{prefix}.{hub}", algo, module.expert_weight(proj, e), wq, iq, bias)
+            yield layer
+
+
+def export_layers(model: nn.Module) -> tuple[list[ExportLayer], set[str]]:
+    """Every linear map of the model that the export writes itself, and the state-dict keys they replace."""
+    layers: list[ExportLayer] = []
+    replaced: set[str] = set()
+    for name, module in model.named_modules():
+        if isinstance(module, QuantExperts):
+            layers.extend(_experts_layers(name, module))
+            for proj in module._projections:
+                replaced.update({f"{name}.{proj}", f"{name}.{proj}_bias"})
+        elif isinstance(module, QuantLinear):
+            if module.output_quantizer.is_enabled:
+                raise UnsupportedFormatError(
+                    f"{name}: output quantizer {_describe(module.output_quantizer)} is enabled; the export "
+                    "has no tensor for output quantization (disable *output_quantizer)"
+                )
+            algo = detect_format(name, module.weight_quantizer, module.input_quantizer)
+            if algo is None:
+                continue
+            w = module._weight_view()
+            layers.append(ExportLayer(name, algo, w, module.weight_quantizer, module.input_quantizer))
+            replaced.add(f"{name}.weight")
+    if any(layer.quant_algo == "NVFP4_AWQ" for layer in layers):  # a layer AWQ left unsmoothed is still AWQ
+        for layer in layers:
+            layer.quant_algo = "NVFP4_AWQ" if layer.quant_algo == "NVFP4" else layer.quant_algo
+    return layers, replaced
+
+
+def _siblings(model: nn.Module) -> Iterator[list[QuantLinear]]:
+    for _, parent in model.named_modules():
+        for group in SHARED_INPUT_GROUPS:
+            members = [getattr(parent, n, None) for n in group]
+            members = [m for m in members if isinstance(m, QuantLinear) and m.weight_quantizer.is_enabled]
+            if len(members) > 1:
+                yield members
+
+
+@torch.no_grad()
+def _raise_to_max(quantizers: list[TensorQuantizer]) -> bool:
+    amaxes = [q.amax for q in quantizers]
+    if any(a is None or a.numel() != 1 for a in amaxes):
+        return False
+    top = torch.stack([a.reshape(()).float() for a in amaxes]).amax()
+    changed = any(not torch.equal(a.reshape(()), top.to(a.device)) for a in amaxes)
+    for q in quantizers:
+        q.amax = top.to(q.amax.device).reshape(q.amax.shape)
+    return changed
+
+
+def unify_shared_scales(model: nn.Module) -> list[str]:
+    """Give q/k/v and gate/up one input amax and, for NVFP4, one weight global amax (the group maximum),
+    in place, so that the fake quantization computes what the fused engine kernel will. Returns the layers
+    whose amax changed."""
+    changed: list[str] = []
+    for members in _siblings(model):
+        inputs = [m.input_quantizer for m in members if m.input_quantizer.is_enabled]
+        if len(inputs) > 1 and _raise_to_max(inputs):
+            changed.extend(q.name for q in inputs)
+        weights = [m.weight_quantizer for m in members]
+        if all(isinstance(q, TensorQuantizer) and q.spec.kind == "nvfp4" for q in weights):
+            if _raise_to_max(weights):  # type: ignore[arg-type]
+                changed.extend(q.name for q in weights)
+    if changed:
+        logger.info(
+            "export: %d quantizer(s) of q/k/v or gate/up raised to their group's amax so the fused layers "
+            "share input_scale / weight_scale_2 (the model's fake quantization now matches): %s",
+            len(changed), ", ".join(changed[:6]) + (" ..." if len(changed) > 6 else ""),
+        )  # fmt: skip
+    return changed
+
+
+def _fold_is_exact(norm: nn.Module, scale: torch.Tensor) -> bool:
+    """Whether ``norm(x) * scale`` equals the norm with its weight (and bias) times ``scale`` on a probe."""
+    weight = getattr(norm, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.shape != scale.shape:
+        return False
+    probe_norm = copy.deepcopy(norm).float()
+    probe_norm.weight.data.mul_(scale.float())
+    if getattr(probe_norm, "bias", None) is not None:
+        probe_norm.bias.data.mul_(scale.float())
+    x = torch.randn(4, scale.numel(), generator=torch.Generator().manual_seed(0)).to(weight.device)
+    with torch.no_grad():
+        return torch.allclose(
+            probe_norm(x), copy.deepcopy(norm).float()(x) * scale.float(), rtol=1e-4, atol=1e-5
+        )
+
+
+def foldable_norms(model: nn.Module) -> dict[str, tuple[torch.Tensor, list[str]]]:
+    """``{norm name: (pre_quant_scale, consumer layer names)}`` for norms whose output only the consumers
+    read, that all carry the same ``pre_quant_scale``, and whose weight scales their output."""
+    plan: dict[str, tuple[torch.Tensor, list[str]]] = {}
+    for name, block in model.named_modules():
+        for norm_name, consumers in _NORM_CONSUMERS:
+            norm = getattr(block, norm_name, None)
+            if norm is None:
+                continue
+            mods = []
+            for path in consumers:
+                try:
+                    mods.append(block.get_submodule(path))
+                except AttributeError:
+                    break
+            scales = [m.input_quantizer.pre_quant_scale for m in mods if isinstance(m, QuantLinear)]
+            if len(scales) != len(consumers) or any(s is None for s in scales):
+                continue
+            if not all(torch.equal(s, scales[0]) for s in scales) or not _fold_is_exact(norm, scales[0]):
+                continue
+            prefix = f"{name}." if name else ""
+            plan[prefix + norm_name] = (scales[0], [prefix + p for p in consumers])
+    return plan
+
+
+def kv_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    for name, module in model.named_modules():
+        if isinstance(module, QuantAttention) and kv_cache_format(name, module) is not None:
+            yield name, module

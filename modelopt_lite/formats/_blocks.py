@@ -102,8 +102,8 @@ class BlockLayout:
         padded = self._padded()
         if len(self.axes) == 1:
             (axis,) = self.axes
-            moved = list(padded)
-            moved.append(moved.pop(axis))
+            # the block axis last (no list.pop(axis): torch.compile may see ``axis`` as a symbolic int)
+            moved = [s for i, s in enumerate(padded) if i != axis] + [padded[axis]]
             x = blocks.reshape(moved)
             if axis != len(padded) - 1:
                 x = x.movedim(-1, axis)

@@ -76,8 +76,6 @@ class QADTrainer(QATTrainer):
                 "compares their next-token distributions and needs the same tokenizer"
             )
         self.teacher = teacher.to(device=self.args.device, dtype=dtype).eval().requires_grad_(False)
-        # The loss is a per-micro-batch mean; Trainer divides by the accumulation steps.
-        self.model_accepts_loss_kwargs = False
 
     @staticmethod
     def _last_hidden(model: nn.Module, inputs: dict[str, Any]) -> tuple[torch.Tensor, nn.Module | None]:
@@ -112,18 +110,19 @@ class QADTrainer(QATTrainer):
         student_hidden, student_head = self._last_hidden(model, inputs)
         with torch.no_grad():
             teacher_hidden, teacher_head = self._last_hidden(self.teacher, inputs)
+        # Like Trainer.compute_loss: with ``num_items_in_batch`` (the shifted-label count of the whole
+        # accumulated batch, on every process) the loss is a token-weighted share that Trainer does not
+        # divide by the accumulation steps again; without it, a per-batch mean that Trainer divides.
+        scaled = self.model_accepts_loss_kwargs and num_items_in_batch is not None
         args = self.distill_args
+        identity = nn.Identity()
         loss = chunked_distillation_loss(
-            student_hidden,
-            teacher_hidden,
-            labels,
-            student_head or nn.Identity(),
-            teacher_head or nn.Identity(),
-            temperature=args.temperature,
-            kd_weight=args.kd_loss_weight,
-            ce_weight=args.ce_loss_weight,
-            chunk_size=args.distill_chunk_size,
-        )
+            student_hidden, teacher_hidden, labels, student_head or identity, teacher_head or identity,
+            temperature=args.temperature, kd_weight=args.kd_loss_weight, ce_weight=args.ce_loss_weight,
+            chunk_size=args.distill_chunk_size, num_items=num_items_in_batch if scaled else None,
+        )  # fmt: skip
+        if scaled and self.args.average_tokens_across_devices:
+            loss = loss * self.accelerator.num_processes
         if not return_outputs:
             return loss
         logits = student_head(student_hidden) if student_head is not None else student_hidden

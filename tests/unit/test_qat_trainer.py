@@ -245,3 +245,42 @@ def test_calib_size_larger_than_the_train_data_warns(tmp_path, lib_caplog):
 def test_unknown_recipe_is_refused():
     with pytest.raises(ValueError, match="unknown preset or recipe"):
         QuantizationArguments(recipe="general/qat/nvfp5")
+
+
+def test_a_restored_model_is_not_calibrated_again(tmp_path, lib_caplog):
+    source = QATTrainer(
+        model=tiny_llama(),
+        args=cpu_args(tmp_path, max_steps=1),
+        train_dataset=CountingData(),
+        quant_args=NVFP4,
+    )
+    source.train()
+    source.save_model(str(tmp_path / "saved"))
+    model = mto.restore(tiny_llama(seed=1), tmp_path / "saved")
+    amax = model.model.layers[0].mlp.up_proj.input_quantizer.amax.clone()
+    lib_caplog.clear()
+    trainer = QATTrainer(
+        model=model,
+        args=cpu_args(tmp_path, max_steps=1),
+        train_dataset=CountingData(seed=9),
+        quant_args=NVFP4,
+    )
+    trainer.train()
+    assert any("skipping calibration" in r.getMessage() for r in lib_caplog.records)
+    assert torch.equal(model.model.layers[0].mlp.up_proj.input_quantizer.amax, amax)
+
+
+def test_qat_on_fused_moe_experts(tmp_path):
+    from ._models import tiny_qwen3_moe
+
+    quant = QuantizationArguments(
+        recipe="NVFP4_DEFAULT_CFG", calib_size=8, experts_implementation="grouped_mm"
+    )
+    model = tiny_qwen3_moe()
+    experts = model.model.layers[0].mlp.experts
+    before = experts.gate_up_proj.detach().clone()
+    trainer = QATTrainer(model=model, args=cpu_args(tmp_path), train_dataset=CountingData(), quant_args=quant)
+    trainer.train()
+    assert model.config._experts_implementation == "modelopt_lite_grouped_mm"
+    assert experts.gate_up_proj_weight_quantizers[0].amax is not None
+    assert not torch.equal(experts.gate_up_proj, before)  # the experts were trained

@@ -1,0 +1,12 @@
+"""Post-training quantization of a Hugging Face causal LM, then a deployable checkpoint; runs on CPU, offline.
+
+    python examples/llm_ptq/hf_ptq.py --pyt_ckpt_path ./model --qformat nvfp4 --kv_cache_qformat fp8 \
+        --dataset corpus.txt --calib_size 64 --calib_seq 512 --export_path ./model-nvfp4
+
+The same command is installed as ``modelopt-lite-ptq``; ``--help`` lists every flag.
+"""
+
+from modelopt_lite.export.ptq import main
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,219 @@
+"""The PTQ command line (``modelopt-lite-ptq`` and ``examples/llm_ptq/hf_ptq.py``): load a Hugging Face causal
+LM, calibrate and quantize it, report held-out perplexity before and after, export a deployable checkpoint.
+Runs on CPU, offline.
+
+    modelopt-lite-ptq --pyt_ckpt_path ./llama --qformat nvfp4 --kv_cache_qformat fp8 \\
+        --dataset corpus.txt --calib_size 64 --export_path ./llama-nvfp4
+
+``--qformat a,b`` makes a mixed recipe: ``a`` for the attention projections, ``b`` for the MLP and experts
+(the two presets' calibration algorithms must agree, or one of them be plain max).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from .. import quantization as mtq
+from ..logging import get_logger
+from ..quantization.presets import STANDARD_EXCLUSIONS
+from .layers import SUPPORTED
+
+__all__ = ["QFORMATS", "build_config", "main", "parse_args"]
+
+logger = get_logger(__name__)
+
+QFORMATS = {
+    "fp8": "FP8_DEFAULT_CFG",
+    "fp8_pc_pt": "FP8_PER_CHANNEL_PER_TOKEN_CFG",
+    "int8": "INT8_DEFAULT_CFG",
+    "int8_sq": "INT8_SMOOTHQUANT_CFG",
+    "int8_wo": "INT8_WEIGHT_ONLY_CFG",
+    "int4_awq": "INT4_AWQ_CFG",
+    "w4a8_awq": "W4A8_AWQ_BETA_CFG",
+    "nvfp4": "NVFP4_DEFAULT_CFG",
+    "nvfp4_awq": "NVFP4_AWQ_LITE_CFG",
+    "w4a16_nvfp4": "W4A16_NVFP4_CFG",
+    "mxfp8": "MXFP8_DEFAULT_CFG",
+    "mxfp4": "MXFP4_DEFAULT_CFG",
+}
+NOT_EXPORTABLE = {"mxfp4"}  # no deployable tensor layout in the export (yet)
+KV_FORMATS = {"none": None, "fp8": "FP8_KV_CFG", "nvfp4": "NVFP4_KV_CFG"}
+_EXPORTABLE_KV = {"none", "fp8"}
+
+
+def _algorithm_name(cfg: dict[str, Any]) -> str:
+    algo = cfg.get("algorithm")
+    return "max" if algo is None else algo if isinstance(algo, str) else algo["method"]
+
+
+def build_config(qformat: str, kv_cache_qformat: str = "none") -> dict[str, Any]:
+    """The quantize config for ``--qformat`` (one name or ``attention,mlp``) and ``--kv_cache_qformat``."""
+    names = [q.strip() for q in qformat.split(",")]
+    unknown = [q for q in names if q not in QFORMATS]
+    if unknown or not 1 <= len(names) <= 2:
+        raise ValueError(
+            f"--qformat {qformat!r}: expected one format or two separated by a comma (attention,mlp) from "
+            f"{sorted(QFORMATS)}"
+        )
+    if kv_cache_qformat not in KV_FORMATS:
+        raise ValueError(f"--kv_cache_qformat {kv_cache_qformat!r}: choose one of {sorted(KV_FORMATS)}")
+    cfg = mtq.get_preset(QFORMATS[names[0]])
+    if len(names) == 2:
+        mlp = mtq.get_preset(QFORMATS[names[1]])
+        algos = {_algorithm_name(cfg), _algorithm_name(mlp)}
+        if len(algos - {"max"}) > 1:
+            raise ValueError(
+                f"--qformat {qformat!r}: {names[0]} calibrates with {_algorithm_name(cfg)} and {names[1]} "
+                f"with {_algorithm_name(mlp)}; a mixed recipe needs one algorithm (or plain max on one side)"
+            )
+        rules = [copy.deepcopy(r) for r in mlp["quant_cfg"] if r.get("quantizer_name") in
+                 ("*weight_quantizer", "*input_quantizer")]  # fmt: skip
+        for rule in rules:
+            rule["quantizer_name"] = "*mlp*" + rule["quantizer_name"].lstrip("*")
+        cfg["quant_cfg"] += rules + copy.deepcopy(list(STANDARD_EXCLUSIONS))
+        cfg["algorithm"] = cfg["algorithm"] if _algorithm_name(cfg) != "max" else mlp["algorithm"] or "max"
+    if KV_FORMATS[kv_cache_qformat] is not None:
+        cfg = mtq.with_kv_cache(cfg, KV_FORMATS[kv_cache_qformat])
+    return cfg
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="modelopt-lite-ptq", description=__doc__.split("\n\n")[0])
+    # TODO(issue 9): default to the bundled default model once it exists
+    p.add_argument("--pyt_ckpt_path", required=True, help="Hugging Face model directory (or cached hub name)")
+    p.add_argument("--qformat", default="nvfp4", help=f"one of {sorted(QFORMATS)}, or 'attention,mlp'")
+    p.add_argument("--kv_cache_qformat", default="none", choices=sorted(KV_FORMATS))
+    p.add_argument("--recipe", default=None, help="a recipe name or YAML path (replaces --qformat)")
+    p.add_argument("--calib_size", type=int, default=64, help="calibration samples of --calib_seq tokens")
+    p.add_argument("--eval_size", type=int, default=8, help="held-out samples for perplexity (0: skip)")
+    p.add_argument("--batch_size", type=int, default=4)
+    p.add_argument("--calib_seq", type=int, default=512)
+    p.add_argument(
+        "--dataset",
+        nargs="+",
+        required=True,
+        help="local .txt / .json / .jsonl files (field 'text'), or a dataset name cached offline",
+    )
+    p.add_argument("--experts_implementation", choices=["eager", "grouped_mm"], default=None)
+    p.add_argument("--export_path", default=None, help="write a deployable checkpoint here (omit: no export)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --export_path")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    p.add_argument("--trust_remote_code", action="store_true", help="run the model repository's own code")
+    args = p.parse_args(argv)
+    for flag in ("calib_size", "batch_size", "calib_seq"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag} must be a positive integer")
+    if args.recipe is None:
+        try:
+            build_config(args.qformat, args.kv_cache_qformat)
+        except ValueError as err:
+            p.error(str(err))
+    target = Path(args.export_path) if args.export_path else None
+    if target is not None and target.is_dir() and any(target.iterdir()) and not args.overwrite:
+        p.error(f"--export_path {target} exists and is not empty; pass --overwrite to replace it")
+    if args.export_path and args.recipe is None:
+        blocked = [q for q in args.qformat.split(",") if q.strip() in NOT_EXPORTABLE]
+        if blocked or args.kv_cache_qformat not in _EXPORTABLE_KV:
+            p.error(f"--export_path: the export cannot write {blocked or ['kv ' + args.kv_cache_qformat]}; "
+                    f"exportable: {SUPPORTED}; FP8 KV cache")  # fmt: skip
+    return args
+
+
+def _texts(sources: list[str]) -> list[str]:
+    texts: list[str] = []
+    for src in sources:
+        path = Path(src)
+        if path.suffix in (".txt", ".md") and path.is_file():
+            texts.append(path.read_text())
+        elif path.suffix in (".json", ".jsonl") and path.is_file():
+            raw = path.read_text()
+            if path.suffix == ".jsonl":
+                rows = [json.loads(line) for line in raw.splitlines() if line.strip()]
+            else:
+                rows = json.loads(raw)
+            texts += [r["text"] if isinstance(r, dict) else str(r) for r in rows]
+        elif path.exists():
+            raise ValueError(f"--dataset {src}: expected a .txt, .md, .json or .jsonl file")
+        else:
+            try:
+                import datasets
+            except ImportError:
+                raise ValueError(f"--dataset {src}: no such file, and `datasets` is not installed") from None
+            texts += [row["text"] for row in datasets.load_dataset(src, split="train")]
+    return texts
+
+
+def _windows(tokenizer: Any, sources: list[str], seq: int, needed: int) -> torch.Tensor:
+    ids = tokenizer("\n\n".join(_texts(sources)), return_tensors="pt").input_ids[0]
+    count = ids.numel() // seq
+    if count < needed:
+        raise ValueError(
+            f"--calib_size + --eval_size = {needed} samples of {seq} tokens, but the dataset has "
+            f"{ids.numel()} tokens ({count} samples); lower --calib_size / --calib_seq or add data"
+        )
+    return ids[: count * seq].view(count, seq)
+
+
+@torch.no_grad()
+def perplexity(model: torch.nn.Module, samples: torch.Tensor, batch_size: int, device: str) -> float:
+    total, tokens = 0.0, 0
+    for i in tqdm(range(0, samples.shape[0], batch_size), desc="perplexity", leave=False):
+        batch = samples[i : i + batch_size].to(device)
+        loss = model(batch, labels=batch).loss
+        n = batch.numel() - batch.shape[0]
+        total, tokens = total + float(loss) * n, tokens + n
+    return math.exp(total / max(tokens, 1))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command; returns the exit status (2 with a logged error for bad input found after parsing)."""
+    args = parse_args(argv)
+    try:
+        return _run(args)
+    except (ValueError, FileExistsError) as err:
+        logger.error("%s", err)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from . import export_hf_checkpoint
+
+    if args.recipe:
+        config: Any = mtq.resolve_config(args.recipe)
+    else:
+        config = build_config(args.qformat, args.kv_cache_qformat)
+    tokenizer = AutoTokenizer.from_pretrained(args.pyt_ckpt_path, trust_remote_code=args.trust_remote_code)
+    samples = _windows(tokenizer, args.dataset, args.calib_seq, args.calib_size + args.eval_size)
+    calib, held_out = samples[: args.calib_size], samples[args.calib_size : args.calib_size + args.eval_size]
+    model = AutoModelForCausalLM.from_pretrained(
+        args.pyt_ckpt_path, dtype=args.dtype, trust_remote_code=args.trust_remote_code
+    ).to(args.device)
+    model.eval()
+    before = perplexity(model, held_out, args.batch_size, args.device) if args.eval_size else None
+    batches = [calib[i : i + args.batch_size] for i in range(0, calib.shape[0], args.batch_size)]
+    with torch.no_grad():
+        mtq.quantize(model, config, batches, experts_implementation=args.experts_implementation)
+    mtq.print_quant_summary(model)
+    after = perplexity(model, held_out, args.batch_size, args.device) if args.eval_size else None
+    if before is not None:
+        logger.info("held-out perplexity: %.3f before, %.3f after quantization", before, after)
+    if args.export_path:
+        result = export_hf_checkpoint(model, args.export_path, tokenizer=tokenizer, overwrite=args.overwrite)
+        logger.info("checkpoint: %s (%.2f MB)", result.export_dir, result.total_bytes / 1e6)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,74 @@
+"""The PTQ command line (``modelopt-lite-ptq`` / ``examples/llm_ptq/hf_ptq.py``) on a tiny saved model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from modelopt_lite.export.ptq import QFORMATS, build_config, main
+
+from ._export_cases import tensors
+from ._models import tiny_qwen3_moe
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    root = tmp_path_factory.mktemp("ptq")
+    raw = Tokenizer(models.WordLevel({f"w{i}": i for i in range(128)}, unk_token="w0"))
+    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=raw, pad_token="w0").save_pretrained(root / "model")
+    tiny_qwen3_moe().save_pretrained(root / "model")
+    (root / "data.txt").write_text(" ".join(f"w{(i * 7) % 128}" for i in range(16 * 6)))
+    return root
+
+
+def _args(root, *extra):
+    return ["--pyt_ckpt_path", str(root / "model"), "--dataset", str(root / "data.txt"), "--calib_seq", "16",
+            "--calib_size", "4", "--eval_size", "1", "--batch_size", "2", *extra]  # fmt: skip
+
+
+def test_nvfp4_moe_eager_exports_every_expert_quantized(checkpoint, tmp_path, lib_caplog):
+    lib_caplog.set_level("INFO", logger="modelopt_lite")
+    out = tmp_path / "out"
+    args = ["--qformat", "nvfp4", "--experts_implementation", "eager", "--export_path", str(out)]
+    assert main(_args(checkpoint, *args)) == 0
+    t = tensors(out)
+    experts = [k for k in t if ".mlp.experts." in k and k.endswith(".weight")]
+    assert len(experts) == 2 * 4 * 3
+    assert all(t[k].dtype.is_floating_point is False for k in experts)
+    assert (out / "tokenizer.json").is_file()
+    assert "held-out perplexity" in lib_caplog.text
+    assert f"checkpoint: {out}" in lib_caplog.text
+
+
+def test_bad_input(checkpoint, tmp_path, lib_caplog, capsys):
+    with pytest.raises(SystemExit):
+        main(_args(checkpoint, "--qformat", "int3"))
+    assert "'nvfp4_awq'" in capsys.readouterr().err  # the error lists the choices
+    assert main(_args(checkpoint, "--qformat", "fp8", "--calib_size", "400")) == 2
+    assert "dataset has 96 tokens (6 samples)" in lib_caplog.text
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("")
+    with pytest.raises(SystemExit):
+        main(_args(checkpoint, "--export_path", str(tmp_path / "full")))
+    assert "--overwrite" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(_args(checkpoint, "--qformat", "mxfp4", "--export_path", str(tmp_path / "mx")))
+    with pytest.raises(ValueError, match="one algorithm"):
+        build_config("int8_sq,int4_awq")
+
+
+def test_mixed_recipe_attention_and_mlp(checkpoint, tmp_path):
+    assert set(QFORMATS) >= {"fp8", "nvfp4", "w4a8_awq", "mxfp8"}
+    out = tmp_path / "out"
+    args = ["--qformat", "fp8,nvfp4", "--eval_size", "0", "--export_path", str(out)]
+    assert main(_args(checkpoint, *args)) == 0
+    q = json.loads((out / "hf_quant_config.json").read_text())["quantization"]
+    assert q["quant_algo"] == "MIXED_PRECISION"
+    layers = q["quantized_layers"]
+    assert layers["model.layers.0.self_attn.q_proj"]["quant_algo"] == "FP8"
+    assert layers["model.layers.0.mlp.experts.3.down_proj"]["quant_algo"] == "NVFP4"

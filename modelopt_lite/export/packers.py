@@ -200,8 +200,26 @@ class W4A8Packer(Int4BlockPacker):
         return minifloat_round(w.mul_(scale).clamp_(-448.0, 448.0), E4M3, signed=True).mul_(inv)
 
 
+class _FixedBlockPacker(Packer):
+    """Formats with a fixed block along the input dimension (no padding in the export)."""
+
+    block: ClassVar[int]
+    name: ClassVar[str]
+
+    def group_size(self, quantizer: Quantizer) -> int | None:
+        return self.block
+
+    def _blocks(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` as float32 ``(num_blocks, block)`` rows."""
+        if weight.shape[-1] % self.block:
+            raise ValueError(
+                f"{self.name} export needs in_features divisible by {self.block}, got {weight.shape[-1]}"
+            )
+        return weight.float().reshape(-1, self.block)
+
+
 @register_packer("NVFP4", "NVFP4_AWQ", "W4A16_NVFP4")
-class NVFP4Packer(Packer):
+class NVFP4Packer(_FixedBlockPacker):
     """``weight`` uint8 ``(out, in / 2)`` (E2M1 codes, even element low); ``weight_scale`` float8_e4m3fn
     ``(out, in / 16)``; ``weight_scale_2`` f32 scalar = amax / 2688."""
 
@@ -209,16 +227,12 @@ class NVFP4Packer(Packer):
     weight_bits = 4
     nominal_bits = 4.5
     block = 16
-
-    def group_size(self, quantizer: Quantizer) -> int | None:
-        return self.block
+    name = "NVFP4"
 
     def pack(self, weight: torch.Tensor, quantizer: Quantizer) -> Tensors:
         out_f, in_f = weight.shape
-        if in_f % self.block:
-            raise ValueError(f"NVFP4 export needs in_features divisible by {self.block}, got {in_f}")
+        blocks = self._blocks(weight)
         s2 = nvfp4_global_scale(_amax(_stage(quantizer, 0)))
-        blocks = weight.float().reshape(-1, self.block)
         block_scale = nvfp4_block_scales(blocks.abs().amax(-1, keepdim=True), s2)
         scaled = blocks / (block_scale * s2)  # the fake quantization's |x| / (fp8(s) * s2), signed
         return {
@@ -234,7 +248,7 @@ class NVFP4Packer(Packer):
 
 
 @register_packer("MXFP8")
-class MXFP8Packer(Packer):
+class MXFP8Packer(_FixedBlockPacker):
     """``weight`` float8_e4m3fn ``(out, in)``; ``weight_scale`` uint8 ``(out, in / 32)``: the E8M0 exponent
     byte (``exponent + 127``) of each block's power-of-two scale."""
 
@@ -242,15 +256,11 @@ class MXFP8Packer(Packer):
     weight_bits = 8
     nominal_bits = 8.25
     block = 32
-
-    def group_size(self, quantizer: Quantizer) -> int | None:
-        return self.block
+    name = "MXFP8"
 
     def pack(self, weight: torch.Tensor, quantizer: Quantizer) -> Tensors:
         out_f, in_f = weight.shape
-        if in_f % self.block:
-            raise ValueError(f"MXFP8 export needs in_features divisible by {self.block}, got {in_f}")
-        blocks = weight.float().reshape(-1, self.block)
+        blocks = self._blocks(weight)
         exp = mx_scale_exponent(blocks.abs().amax(-1, keepdim=True), (4, 3))
         scaled = blocks / torch.ldexp(torch.ones_like(exp, dtype=torch.float32), exp)  # exact
         codes = minifloat_round(scaled.abs(), E4M3).copysign_(scaled)

@@ -17,6 +17,7 @@ training; every full collection walks all of them. The policy:
 from __future__ import annotations
 
 import gc
+import logging
 import time
 
 from ..logging import get_logger
@@ -54,8 +55,9 @@ class GCPolicy:
         if not self.frozen:
             gc.freeze()
             self.frozen = True
-            logger.debug("gc.freeze() after optimizer step %d: %d objects frozen", self.optimizer_steps,
-                         gc.get_freeze_count())  # fmt: skip
+            if logger.isEnabledFor(logging.DEBUG):  # get_freeze_count() walks every frozen object
+                logger.debug("gc.freeze() after optimizer step %d: %d objects frozen", self.optimizer_steps,
+                             gc.get_freeze_count())  # fmt: skip
         elif self.refreeze_every and self.optimizer_steps % self.refreeze_every == 0:
             gc.unfreeze()
             self._collect()

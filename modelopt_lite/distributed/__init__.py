@@ -1,1 +1,27 @@
-"""Floor 1: FSDP2 / DDP helpers (weight-access windows, amax all-reduce); filled in by the FSDP2 work."""
+"""Floor 1: multi-process helpers, no-ops in a single process: FSDP2 weight-access windows, collectives
+that keep quantizer state identical on every rank, and agreement on failure (no rank left hanging)."""
+
+from .comm import (
+    RankFailedError,
+    all_ranks_succeed,
+    all_reduce_max,
+    broadcast_tensors,
+    check_same_on_all_ranks,
+    is_distributed,
+    rank,
+    world_size,
+)
+from .window import is_sharded, weight_access
+
+__all__ = [
+    "RankFailedError",
+    "all_ranks_succeed",
+    "all_reduce_max",
+    "broadcast_tensors",
+    "check_same_on_all_ranks",
+    "is_distributed",
+    "is_sharded",
+    "rank",
+    "weight_access",
+    "world_size",
+]

@@ -14,9 +14,10 @@ from typing import Literal
 
 import torch
 
+from ..distributed import all_reduce_max, is_distributed
 from ..formats import FormatSpec, fake_quant_reference, reduce_amax
 
-__all__ = ["Calibrator", "HistogramCalibrator", "MaxCalibrator", "make_calibrator"]
+__all__ = ["Calibrator", "HistogramCalibrator", "MaxCalibrator", "make_calibrator", "sync_calibrators"]
 
 
 def _check_finite(x: torch.Tensor, owner: str) -> None:
@@ -163,3 +164,23 @@ def make_calibrator(name: str, spec: FormatSpec, owner: str, **options) -> Calib
     if name in ("percentile", "mse"):
         return HistogramCalibrator(spec, owner, method=name, **options)
     raise ValueError(f"{owner}: calibrator={name!r} (allowed: 'max', 'percentile', 'mse')")
+
+
+def sync_calibrators(calibrators: dict[str, Calibrator]) -> None:
+    """Merge the statistics each rank collected on its share of the data, so every rank ends with those of
+    all the data: the running max is reduced with max (a rank that saw nothing contributes nothing) and the
+    batch counts are summed. No-op in a single process."""
+    if not is_distributed():
+        return
+    histogram = [n for n, c in calibrators.items() if not isinstance(c, MaxCalibrator)]
+    if histogram:
+        raise NotImplementedError(
+            f"{len(histogram)} quantizer(s) use a histogram calibrator (percentile / mse), which is not "
+            f"merged across ranks (e.g. {histogram[0]}); calibrate in a single process or use max calibration"
+        )
+    reduced = all_reduce_max({n: c._amax for n, c in calibrators.items()})
+    counts = torch.tensor([c.num_batches for c in calibrators.values()], dtype=torch.int64)
+    torch.distributed.all_reduce(counts)
+    for (name, calibrator), count in zip(calibrators.items(), counts.tolist(), strict=True):
+        calibrator._amax = reduced[name]
+        calibrator.num_batches = count

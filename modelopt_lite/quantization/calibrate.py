@@ -18,9 +18,18 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..distributed import (
+    all_ranks_succeed,
+    broadcast_tensors,
+    check_same_on_all_ranks,
+    is_distributed,
+    is_sharded,
+    weight_access,
+)
 from ..logging import get_logger, get_rank
 from ..moe import coverage_report, reset_coverage
 from ..nn import QuantModule, SequentialQuantizer, TensorQuantizer, iter_quantizers
+from ..nn.calibrators import sync_calibrators
 from .config import ALGORITHMS
 
 __all__ = [
@@ -99,11 +108,27 @@ def calibrate(
         except RuntimeError as err:
             raise RuntimeError(f"{err}. The config's algorithm is None (no calibration): use 'max'") from None
         return model
-    if not any(True for _ in iter_quantizers(model)):
+    names = [name for name, _ in iter_quantizers(model)]
+    if not names:
         raise ValueError("the model has no quantizers: call mtq.quantize(model, config, ...) first")
+    if is_distributed():
+        check_same_on_all_ranks(names, "the quantizers of the model")
+        if algorithm != "max" and is_sharded(model):
+            raise NotImplementedError(
+                f"algorithm {algorithm!r} on an FSDP2-sharded model: quantize before fully_shard (the search "
+                "algorithms change whole weights); max calibration works on sharded models"
+            )
     _ALGORITHMS[algorithm](model, forward_loop, **options)
+    if is_distributed() and algorithm != "max":
+        # Search algorithms ran on each rank's data: make rank 0's result everyone's (weights they changed
+        # and quantizer buffers; DDP would broadcast them at wrap time, FSDP2 does not).
+        broadcast_tensors([*model.parameters(), *_quantizer_buffers(model)])
     check_calibrated(model)
     return model
+
+
+def _quantizer_buffers(model: nn.Module) -> list[torch.Tensor]:
+    return [b for _, q in iter_quantizers(model) for s in _stages(q) for b in s.buffers()]
 
 
 def _stages(q: TensorQuantizer | SequentialQuantizer) -> list[TensorQuantizer]:
@@ -111,18 +136,24 @@ def _stages(q: TensorQuantizer | SequentialQuantizer) -> list[TensorQuantizer]:
 
 
 def weight_quantizers(
-    model: nn.Module,
+    model: nn.Module, gather: bool = True
 ) -> Iterator[tuple[TensorQuantizer | SequentialQuantizer, torch.Tensor]]:
+    """``(quantizer, weight)`` of every quantized module. Under FSDP2 each module's full weights are
+    gathered while its pairs are in use (``gather=False``: the quantizers only, weights as stored)."""
     for module in model.modules():
         if isinstance(module, QuantModule):
-            yield from module.weight_quantizer_pairs()
+            if gather:
+                with weight_access(module):
+                    yield from module.weight_quantizer_pairs()
+            else:
+                yield from module.weight_quantizer_pairs()
 
 
 @register_algorithm("max")
 def max_calibrate(model: nn.Module, forward_loop: ForwardLoop | None, **options: Any) -> None:
     if options:
         raise ValueError(f"max calibration takes no options, got {sorted(options)}")
-    weights = {id(q) for q, _ in weight_quantizers(model)}
+    weights = {id(q) for q, _ in weight_quantizers(model, gather=False)}
     activations: list[TensorQuantizer] = []
     for name, q in iter_quantizers(model):
         if id(q) in weights or not q.is_enabled:
@@ -179,7 +210,9 @@ def _collect_activations(
 ) -> None:
     with calibration_mode(model, activations):
         reset_coverage(model)
-        run_forward_loop(model, forward_loop, desc="calibration")
+        with all_ranks_succeed("calibration forward_loop"):
+            run_forward_loop(model, forward_loop, desc="calibration")
+        sync_calibrators({q.name: q.calibrator for q in activations})
         _log_expert_coverage(model)
         empty = [q.name for q in activations if q.calibrator.num_batches == 0]
         if empty:

@@ -10,6 +10,7 @@ from typing import Any
 
 from torch import nn
 
+from ..distributed import weight_access
 from ..logging import get_logger
 from ..moe import unquantized_experts
 from ..nn import QuantizerAttributes, QuantModule, iter_quantizers
@@ -106,11 +107,16 @@ def quantize(
     config: QuantizeConfig | Mapping[str, Any] | str | Path,
     forward_loop: ForwardLoop | None = None,
     experts_implementation: str | None = None,
+    *,
+    skip_calibration: bool = False,
 ) -> nn.Module:
     """Insert quantizers into ``model`` (in place), apply ``config``, calibrate with its algorithm and
     return ``model``. ``forward_loop`` is a function of the model that runs calibration data through it, or
     an iterable of batches; weight-only configs need none. ``experts_implementation`` (``"grouped_mm"`` or
-    ``"eager"``) chooses how fused MoE experts run; by default the model's own choice is kept."""
+    ``"eager"``) chooses how fused MoE experts run; by default the model's own choice is kept.
+
+    ``skip_calibration=True`` only inserts and configures the quantizers, e.g. before ``fully_shard``;
+    calibrate afterwards with ``mtq.calibrate(model, algorithm, forward_loop)`` (on every rank)."""
     cfg = resolve_config(config)
     check_algorithm(cfg.algorithm)  # unknown / unavailable algorithms fail before the model is touched
     previous = quant_state(model)
@@ -127,7 +133,7 @@ def quantize(
     else:
         implementations = snapshot_implementations(model)
         try:
-            _insert_and_calibrate(model, cfg, forward_loop, experts_implementation)
+            _insert_and_calibrate(model, cfg, forward_loop, experts_implementation, skip_calibration)
         except BaseException:
             remove_quantizers(model, implementations)  # nothing half-done: the model is as it was
             raise
@@ -141,6 +147,7 @@ def _insert_and_calibrate(
     cfg: QuantizeConfig,
     forward_loop: ForwardLoop | None,
     experts_implementation: str | None,
+    skip_calibration: bool = False,
 ) -> None:
     converted = insert_quantizers(model, experts_implementation)
     provenance = apply_config(model, cfg)
@@ -155,11 +162,12 @@ def _insert_and_calibrate(
             ", ".join(idle[:4]),
         )
     enabled = sum(q.is_enabled for _, q in iter_quantizers(model))
+    then = "calibration skipped" if skip_calibration else f"calibrating with {cfg.algorithm_name}"
     logger.info(
-        "inserted quantizers into %d module(s); %d quantizer(s) enabled; calibrating with %s",
-        len(converted), enabled, cfg.algorithm_name,
-    )  # fmt: skip
-    calibrate(model, cfg.algorithm, forward_loop)
+        "inserted quantizers into %d module(s); %d quantizer(s) enabled; %s", len(converted), enabled, then
+    )
+    if not skip_calibration:
+        calibrate(model, cfg.algorithm, forward_loop)
 
 
 def set_quantizer_by_cfg(model: nn.Module, quant_cfg: Any) -> Provenance:
@@ -238,7 +246,8 @@ def fold_weight(model: nn.Module) -> nn.Module:
     """Replace each quantized weight by its fake-quantized value and disable its weight quantizer."""
     for module in model.modules():
         if isinstance(module, QuantModule):
-            module.fold_weight()
+            with weight_access(module, writeback=True):  # whole weights under FSDP2
+                module.fold_weight()
     return model
 
 

@@ -1,0 +1,148 @@
+"""Collectives the quantization code needs, all no-ops in a single process.
+
+* :func:`all_ranks_succeed`: a block that every rank enters; on exit all ranks agree whether one of them
+  raised, so a failure on one rank becomes an error on every rank instead of a hang at the next collective;
+* :func:`check_same_on_all_ranks`: refuse to go on when ranks disagree (e.g. on the set of quantizers);
+* :func:`all_reduce_max`: element-wise max of named tensors across ranks, where a rank may lack some of
+  them (an expert that saw no tokens there);
+* :func:`broadcast_tensors`: rank 0's values everywhere.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "RankFailedError",
+    "all_ranks_succeed",
+    "all_reduce_max",
+    "broadcast_tensors",
+    "check_same_on_all_ranks",
+    "is_distributed",
+    "rank",
+    "world_size",
+]
+
+
+class RankFailedError(RuntimeError):
+    """Another rank raised inside a block all ranks had to finish together."""
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if is_distributed() else 0
+
+
+def _device() -> torch.device:
+    backend = dist.get_backend()
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+@contextmanager
+def all_ranks_succeed(what: str, timeout: float | None = None) -> Iterator[None]:
+    """Run the block on every rank; on exit, all ranks learn whether any rank raised. The rank that raised
+    re-raises its own error; the others raise :class:`RankFailedError` naming it. With ``timeout`` (seconds;
+    gloo only), a rank that never arrives (crashed, stuck) is reported by a monitored barrier instead of
+    blocking until the process-group timeout."""
+    if not is_distributed():
+        yield
+        return
+    failed = torch.zeros(world_size(), dtype=torch.int32, device=_device())
+    try:
+        yield
+    except BaseException:
+        failed[rank()] = 1
+        _agree(failed, what, timeout)
+        raise
+    _agree(failed, what, timeout)
+    if failed.any():
+        ranks = failed.nonzero().flatten().tolist()
+        raise RankFailedError(f"{what}: rank(s) {ranks} raised (see their logs); rank {rank()} stops too")
+
+
+def _agree(failed: torch.Tensor, what: str, timeout: float | None) -> None:
+    if timeout is not None and dist.get_backend() == "gloo":
+        try:
+            dist.monitored_barrier(timeout=timedelta(seconds=timeout), wait_all_ranks=True)
+        except RuntimeError as err:
+            raise RankFailedError(f"{what}: not every rank arrived within {timeout:g} s: {err}") from err
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+
+
+def check_same_on_all_ranks(value: Any, what: str) -> None:
+    """Raise on every rank when ``value`` (JSON-serialisable) differs between ranks; the message names the
+    first differing rank and, for lists / dicts, up to five entries that differ."""
+    if not is_distributed():
+        return
+    gathered: list[Any] = [None] * world_size()
+    digest = hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
+    dist.all_gather_object(gathered, digest)
+    if len(set(gathered)) == 1:
+        return
+    values: list[Any] = [None] * world_size()
+    dist.all_gather_object(values, value)
+    other = next(r for r, d in enumerate(gathered) if d != gathered[0])
+    detail = ""
+    if isinstance(value, (list, dict)):
+        a, b = set(values[0]), set(values[other])
+        detail = f": only on rank 0: {sorted(a - b)[:5]}, only on rank {other}: {sorted(b - a)[:5]}"
+    raise ValueError(f"{what} differ between ranks 0 and {other}{detail}")
+
+
+def all_reduce_max(tensors: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
+    """Element-wise max across ranks of each named tensor. The names must be the same on every rank; a rank
+    holding ``None`` for a name contributes nothing (values are amax, >= 0). A name that is ``None`` on every
+    rank stays ``None``."""
+    if not is_distributed():
+        return tensors
+    names = sorted(tensors)
+    check_same_on_all_ranks(names, "tensor names to reduce")
+    shapes: list[Any] = [None] * world_size()
+    local = {n: list(t.shape) if t is not None else None for n, t in tensors.items()}
+    dist.all_gather_object(shapes, local)
+    out: dict[str, torch.Tensor | None] = {}
+    device = _device()
+    home = next((t.device for t in tensors.values() if t is not None), torch.device("cpu"))
+    for name in names:
+        known = [s[name] for s in shapes if s[name] is not None]
+        if not known:
+            out[name] = None
+            continue
+        if any(k != known[0] for k in known):
+            raise ValueError(f"{name}: amax shapes differ between ranks: {known}")
+        t = tensors[name]
+        buf = (t.detach().float() if t is not None else torch.zeros(known[0])).to(device).clone()
+        dist.all_reduce(buf, op=dist.ReduceOp.MAX)
+        out[name] = buf.to(
+            device=t.device if t is not None else home, dtype=t.dtype if t is not None else buf.dtype
+        )
+    return out
+
+
+def broadcast_tensors(tensors: list[torch.Tensor], src: int = 0) -> None:
+    """Overwrite every rank's ``tensors`` (in place; same order and shapes everywhere) with rank ``src``'s."""
+    if not is_distributed():
+        return
+    device = _device()
+    for t in tensors:
+        buf = t.detach().to(device).clone()
+        dist.broadcast(buf, src=src)
+        with torch.no_grad():
+            t.copy_(buf.to(t.device))

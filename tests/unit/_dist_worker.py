@@ -1,0 +1,129 @@
+"""Run by ``torchrun --nproc_per_node 2`` from test_distributed.py: one scenario per call, results written
+per rank into the output directory (safetensors for tensors, JSON for outcomes)."""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch.distributed.fsdp import fully_shard
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import modelopt_lite.quantization as mtq
+from modelopt_lite.distributed import weight_access
+from tests.unit._models import tiny_llama, tiny_qwen3_moe
+
+CONFIG = mtq.with_kv_cache(mtq.NVFP4_DEFAULT_CFG, "FP8_KV_CFG")
+MODELS = {"llama": tiny_llama, "moe": tiny_qwen3_moe}
+
+
+def batches(n: int = 8) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 128, (2, 12), generator=g) for _ in range(n)]
+
+
+def amax_of(model) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, q in mtq.iter_quantizers(model):
+        stages = list(q) if isinstance(q, mtq.SequentialQuantizer) else [q]
+        for i, s in enumerate(stages):
+            if s.amax is not None:
+                out[f"{name}.{i}"] = s.amax.detach().clone().contiguous()
+    return out
+
+
+def shard(model) -> None:
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+
+
+def full_state(model) -> dict[str, torch.Tensor]:
+    """Every parameter gathered whole (DTensor.full_tensor) and every buffer."""
+    out = {}
+    for name, p in model.named_parameters():
+        out[name] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone().contiguous()
+    for name, b in model.named_buffers():
+        out[name] = b.detach().clone().contiguous()
+    return out
+
+
+def calibrate_sharded(kind: str, out: Path, rank: int) -> None:
+    model = MODELS[kind]()
+    mtq.quantize(model, CONFIG, skip_calibration=True)  # quantizers before sharding
+    shard(model)
+    mtq.calibrate(model, "max", batches()[rank::2])  # this rank's half of the data
+    save_file(amax_of(model), str(out / f"amax_{rank}.safetensors"))
+
+
+def fold_sharded(kind: str, out: Path, rank: int) -> None:
+    model = MODELS[kind]()
+    mtq.quantize(model, CONFIG, skip_calibration=True)
+    shard(model)
+    mtq.calibrate(model, "max", batches()[rank::2])
+    mtq.fold_weight(model)
+    state = full_state(model)
+    if rank == 0:
+        save_file(state, str(out / "folded.safetensors"))
+
+
+def _outcome(fn) -> str:
+    try:
+        fn()
+    except (ValueError, RuntimeError) as err:
+        return f"{type(err).__name__}: {err}"
+    return "ok"
+
+
+def bad_input(kind: str, out: Path, rank: int) -> None:
+    model = MODELS[kind]()
+    mtq.quantize(model, CONFIG, skip_calibration=True)
+    shard(model)
+    layer = model.model.layers[0].mlp
+    outcomes = {}
+
+    def outside():
+        with weight_access(torch.nn.Linear(4, 4), root=model):
+            pass
+
+    def nested():
+        with weight_access(layer, root=model), weight_access(layer.up_proj):
+            pass
+
+    def one_rank_raises():
+        with weight_access(layer, root=model, timeout=30):
+            if rank == 1:
+                raise ValueError("rank 1 failed inside the window")
+
+    outcomes["outside"] = _outcome(outside)
+    outcomes["nested"] = _outcome(nested)
+    outcomes["one_rank_raises"] = _outcome(one_rank_raises)
+    outcomes["restored"] = type(layer.up_proj.weight).__name__  # the shard is back after the errors
+    # calibration (forwards, windows) still works after the failed windows: nothing hangs or is half-restored
+    mtq.calibrate(model, "max", batches(2)[rank::2])
+    outcomes["calibrated_after"] = model.model.layers[0].mlp.up_proj.input_quantizer.amax is not None
+    other = MODELS[kind]() if rank == 0 else tiny_llama(layers=3)
+    mtq.quantize(other, CONFIG, skip_calibration=True)
+    outcomes["mismatched_quantizers"] = _outcome(lambda: mtq.calibrate(other, "max", batches(2)))
+    (out / f"outcomes_{rank}.json").write_text(json.dumps(outcomes))
+
+
+SCENARIOS = {"calibrate": calibrate_sharded, "fold": fold_sharded, "bad_input": bad_input}
+
+
+def main() -> None:
+    scenario, kind, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    dist.init_process_group("gloo")
+    try:
+        SCENARIOS[scenario](kind, out, dist.get_rank())
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    main()

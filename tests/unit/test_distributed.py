@@ -1,0 +1,94 @@
+"""Multi-process (gloo, 2 ranks, torchrun) quantization on FSDP2-sharded models: calibration equal to a
+single process on all the data, folding through the weight-access window, and the bad-input list.
+
+Select with ``-m distributed``; each test runs ``torchrun --nproc_per_node 2 tests/unit/_dist_worker.py``."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import modelopt_lite.quantization as mtq
+
+from ._dist_worker import CONFIG, MODELS, amax_of, batches, full_state
+
+pytestmark = pytest.mark.distributed
+WORKER = Path(__file__).with_name("_dist_worker.py")
+
+
+def _torchrun(scenario: str, kind: str, out: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(WORKER),
+        scenario,
+        kind,
+        str(out),
+    ]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    if result.returncode != 0:
+        raise AssertionError(
+            f"torchrun {scenario} {kind} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+        )
+
+
+def _single_process(kind: str) -> torch.nn.Module:
+    model = MODELS[kind]()
+    mtq.quantize(model, CONFIG, batches())
+    return model
+
+
+@pytest.mark.parametrize("kind", ["llama", "moe"])
+def test_sharded_calibration_equals_one_process_on_every_rank(tmp_path, kind):
+    _torchrun("calibrate", kind, tmp_path)
+    expected = amax_of(_single_process(kind))
+    assert any("k_bmm" in n for n in expected)
+    assert any("experts" in n for n in expected) == (kind == "moe")
+    for rank in (0, 1):
+        got = load_file(str(tmp_path / f"amax_{rank}.safetensors"))
+        assert got.keys() == expected.keys()
+        different = [n for n in expected if not torch.equal(got[n], expected[n])]
+        assert not different, f"rank {rank}: {different[:5]}"
+
+
+@pytest.mark.parametrize("kind", ["llama", "moe"])
+def test_fold_through_the_window_equals_folding_the_unsharded_model(tmp_path, kind):
+    _torchrun("fold", kind, tmp_path)
+    model = _single_process(kind)
+    mtq.fold_weight(model)
+    expected = full_state(model)
+    got = load_file(str(tmp_path / "folded.safetensors"))
+    assert got.keys() == expected.keys()
+    different = [n for n in expected if not torch.equal(got[n], expected[n])]
+    assert not different, different[:5]
+    # folding changed the weights (the comparison is not between two unfolded copies)
+    name = "model.layers.0.self_attn.o_proj.weight"
+    assert not torch.equal(got[name], MODELS[kind]().state_dict()[name])
+
+
+def test_bad_input_fails_on_every_rank_without_hanging(tmp_path):
+    _torchrun("bad_input", "llama", tmp_path)
+    outcomes = [json.loads((tmp_path / f"outcomes_{r}.json").read_text()) for r in (0, 1)]
+    for o in outcomes:
+        assert o["outside"].startswith("ValueError: weight_access: the Linear given is not a submodule"), o
+        assert o["nested"].startswith(
+            "RuntimeError: weight_access: a window on a LlamaMLP is already open"
+        ), o
+        assert o["restored"] == "DTensor"
+        assert o["calibrated_after"]
+        assert "differ between ranks 0 and 1" in o["mismatched_quantizers"], o
+        assert "only on rank 1: ['model.layers.2." in o["mismatched_quantizers"], o
+    assert outcomes[1]["one_rank_raises"] == "ValueError: rank 1 failed inside the window"
+    assert outcomes[0]["one_rank_raises"].startswith(
+        "RankFailedError: weight-access window on LlamaMLP: rank(s) [1]"
+    )

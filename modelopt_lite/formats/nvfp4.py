@@ -74,13 +74,15 @@ def nvfp4_fake_quant(
 def pack_e2m1(x_scaled: torch.Tensor) -> torch.Tensor:
     """Pack values already divided by their scale into 4-bit codes, two per byte (even element low).
 
-    Code = ``sign << 3 | index`` into ``(0, .5, 1, 1.5, 2, 3, 4, 6)``; output ``(..., cols / 2)`` uint8.
+    Code = ``sign << 3 | index`` into ``(0, .5, 1, 1.5, 2, 3, 4, 6)``; output ``(..., cols / 2)`` uint8. The
+    sign bit is the float's, so a negative value that rounds to zero (``-0.0``) is ``0x8``, as NVIDIA
+    Model-Optimizer writes it (both decode to zero).
     """
     if x_scaled.shape[-1] % 2:
         raise ValueError(f"E2M1 packing needs an even last dimension, got {tuple(x_scaled.shape)}")
     xf = x_scaled.float()
     code = e2m1_index(xf.abs()).to(torch.uint8)
-    code |= (torch.signbit(xf) & (code != 0)).to(torch.uint8) << 3
+    code |= torch.signbit(xf).to(torch.uint8) << 3
     code = code.view(*code.shape[:-1], -1, 2)
     return code[..., 0] | (code[..., 1] << 4)
 

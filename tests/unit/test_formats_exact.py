@@ -258,8 +258,9 @@ def test_e2m1_packing_layout_and_round_trip():
     packed = pack_e2m1(vals)
     assert packed.dtype == torch.uint8
     assert packed.shape == (1, 4)
-    # even element in the low nibble; code = sign << 3 | index into (0, .5, 1, 1.5, 2, 3, 4, 6)
-    assert packed.tolist() == [[0x1 | (0xF << 4), 0x3 | (0x0 << 4), 0x0 | (0x5 << 4), 0x9 | (0x6 << 4)]]
+    # even element in the low nibble; code = sign << 3 | index into (0, .5, 1, 1.5, 2, 3, 4, 6); -0.0 is 0x8
+    assert packed.tolist() == [[0x1 | (0xF << 4), 0x3 | (0x0 << 4), 0x8 | (0x5 << 4), 0x9 | (0x6 << 4)]]
     assert torch.equal(unpack_e2m1(packed), vals)
+    assert torch.equal(torch.signbit(unpack_e2m1(packed)), torch.signbit(vals))
     with pytest.raises(ValueError, match="even last dimension"):
         pack_e2m1(torch.zeros(1, 3))

@@ -21,9 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate.utils import DistributedType
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
+from ..distributed import rank, world_size
 from ..logging import get_logger
 from ..opt.checkpoint import STATE_FILE
 from ..opt.hf import attached
@@ -92,6 +94,18 @@ class QATTrainer(Trainer):
         self.calib_dataset = calib_dataset
         self.gc_policy = GCPolicy(self.quant_args.manual_gc, self.quant_args.gc_refreeze_every)
         self.add_callback(_GCCallback(self.gc_policy))
+        self._warn_if_fsdp_was_dropped()
+
+    def _warn_if_fsdp_was_dropped(self) -> None:
+        requested = bool(self.args.fsdp) or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+        running = self.accelerator.distributed_type
+        if requested and running != DistributedType.FSDP:
+            logger.warning(
+                "FSDP was requested (TrainingArguments.fsdp or the accelerate config) but accelerate "
+                "runs %s: every rank holds the whole model and optimizer state (on CPU, accelerate "
+                "replaces FSDP by DDP)",
+                getattr(running, "value", running),
+            )
 
     # -- calibration ---------------------------------------------------------------------------------------
     def _calibration_source(self) -> Any:
@@ -123,7 +137,10 @@ class QATTrainer(Trainer):
         for start in range(0, len(samples), bs):
             batch = self.data_collator(samples[start : start + bs])
             batches.append({k: v.to(self.args.device) for k, v in batch.items() if k != "labels"})
-        return batches
+        if world_size() > 1 and resolve_config(self.quant_args.recipe).algorithm_name == "max":
+            # each rank calibrates on its share; the statistics are merged across ranks (max)
+            return batches[rank() :: world_size()]
+        return batches  # search algorithms see all the data on every rank
 
     def quantize_model(self) -> None:
         """Insert quantizers and calibrate (skipped when the model already carries quantizer state)."""

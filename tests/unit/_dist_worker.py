@@ -2,6 +2,7 @@
 per rank into the output directory (safetensors for tensors, JSON for outcomes)."""
 
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -112,11 +113,57 @@ def bad_input(kind: str, out: Path, rank: int) -> None:
     (out / f"outcomes_{rank}.json").write_text(json.dumps(outcomes))
 
 
-SCENARIOS = {"calibrate": calibrate_sharded, "fold": fold_sharded, "bad_input": bad_input}
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def qat_ddp(kind: str, out: Path, rank: int) -> None:
+    """QATTrainer under torchrun (accelerate: DDP on CPU) with FSDP requested through the environment."""
+    from transformers import TrainerCallback
+
+    from modelopt_lite.training import QATTrainer, QuantizationArguments
+    from tests.unit._training import CountingData, cpu_args, step_losses
+
+    records = _Records()
+    logging.getLogger("modelopt_lite").addHandler(records)
+
+    class Amax(TrainerCallback):  # amax as calibrated, before any training step
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            save_file(amax_of(model), str(out / f"amax_{rank}.safetensors"))
+
+    trainer = QATTrainer(
+        model=MODELS[kind](),
+        args=cpu_args(out / "run", max_steps=3, per_device_train_batch_size=2),
+        train_dataset=CountingData(),
+        quant_args=QuantizationArguments(recipe="NVFP4_DEFAULT_CFG", calib_size=8),
+        callbacks=[Amax()],
+    )
+    trainer.train()
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    save_file(
+        {k: v.contiguous() for k, v in model.state_dict().items()}, str(out / f"trained_{rank}.safetensors")
+    )
+    result = {
+        "warnings": records.messages,
+        "losses": step_losses(trainer),
+        "type": str(trainer.accelerator.distributed_type),
+    }
+    (out / f"qat_{rank}.json").write_text(json.dumps(result))
+
+
+SCENARIOS = {"calibrate": calibrate_sharded, "fold": fold_sharded, "bad_input": bad_input, "qat_ddp": qat_ddp}
 
 
 def main() -> None:
     scenario, kind, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    if scenario == "qat_ddp":  # the Trainer's accelerate state sets up the process group
+        SCENARIOS[scenario](kind, out, int(os.environ["RANK"]))
+        return
     dist.init_process_group("gloo")
     try:
         SCENARIOS[scenario](kind, out, dist.get_rank())

@@ -21,8 +21,8 @@ pytestmark = pytest.mark.distributed
 WORKER = Path(__file__).with_name("_dist_worker.py")
 
 
-def _torchrun(scenario: str, kind: str, out: Path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+def _torchrun(scenario: str, kind: str, out: Path, **env_vars: str) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **env_vars}
     cmd = [
         sys.executable,
         "-m",
@@ -91,4 +91,28 @@ def test_bad_input_fails_on_every_rank_without_hanging(tmp_path):
     assert outcomes[1]["one_rank_raises"] == "ValueError: rank 1 failed inside the window"
     assert outcomes[0]["one_rank_raises"].startswith(
         "RankFailedError: weight-access window on LlamaMLP: rank(s) [1]"
+    )
+
+
+def test_qat_trainer_under_ddp_calibrates_on_shares_and_warns_about_dropped_fsdp(tmp_path):
+    _torchrun("qat_ddp", "llama", tmp_path, ACCELERATE_USE_FSDP="true")
+    from ._training import CountingData
+
+    data = CountingData()
+    model = MODELS["llama"]()
+    mtq.quantize(model, "NVFP4_DEFAULT_CFG", [{"input_ids": data[i]["input_ids"][None]} for i in range(8)])
+    expected = amax_of(model)
+    results = [json.loads((tmp_path / f"qat_{r}.json").read_text()) for r in (0, 1)]
+    for rank, result in enumerate(results):
+        got = load_file(str(tmp_path / f"amax_{rank}.safetensors"))
+        assert got.keys() == expected.keys()
+        assert all(torch.equal(got[n], expected[n]) for n in expected), rank
+        assert "MULTI_CPU" in result["type"]
+        assert any("FSDP was requested" in w and "MULTI_CPU" in w for w in result["warnings"]), result
+        assert len(result["losses"]) == 3
+    # DDP kept the replicas identical through training
+    trained = [load_file(str(tmp_path / f"trained_{r}.safetensors")) for r in (0, 1)]
+    assert all(torch.equal(trained[0][k], trained[1][k]) for k in trained[0])
+    assert not torch.equal(
+        trained[0]["model.layers.0.mlp.up_proj.weight"], model.model.layers[0].mlp.up_proj.weight
     )

@@ -11,7 +11,7 @@ from .comm import (
     rank,
     world_size,
 )
-from .window import is_sharded, weight_access
+from .window import is_sharded, shard_frozen, weight_access
 
 __all__ = [
     "RankFailedError",
@@ -22,6 +22,7 @@ __all__ = [
     "is_distributed",
     "is_sharded",
     "rank",
+    "shard_frozen",
     "weight_access",
     "world_size",
 ]

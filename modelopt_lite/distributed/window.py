@@ -29,7 +29,7 @@ from torch import nn
 
 from .comm import all_ranks_succeed
 
-__all__ = ["is_sharded", "weight_access"]
+__all__ = ["is_sharded", "shard_frozen", "weight_access"]
 
 _STATE = threading.local()
 
@@ -110,3 +110,21 @@ def _write_back(sharded: list[tuple[nn.Module, str, torch.Tensor]]) -> None:
                 )
             mine = distribute_tensor(full.detach(), p.device_mesh, p.placements, src_data_rank=None)
             p.to_local().copy_(mine.to_local())
+
+
+def shard_frozen(model: nn.Module, block_classes: list[str] | tuple[str, ...]) -> nn.Module:
+    """Shard a frozen model (a distillation teacher) with FSDP2: each module whose class name is in
+    ``block_classes`` (e.g. the model's ``_no_split_modules``), then the root. Its forward gathers one block
+    at a time; the root's parameters (embeddings, final norm, LM head) stay gathered after forward."""
+    from torch.distributed.fsdp import fully_shard
+
+    blocks = [m for m in model.modules() if type(m).__name__ in set(block_classes)]
+    if not blocks:
+        raise ValueError(
+            f"shard_frozen: no module of {type(model).__name__} is one of {sorted(block_classes)}; name the "
+            "class of its transformer blocks"
+        )
+    for block in blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
+from ..distributed import shard_frozen
 from ..logging import get_logger
 from .arguments import DistillationArguments
 from .distill_loss import chunked_distillation_loss
@@ -26,7 +27,7 @@ from .qat_trainer import QATTrainer
 __all__ = ["QADTrainer"]
 
 logger = get_logger(__name__)
-_WARNED: set[type] = set()
+_WARNED: set[tuple[type, str]] = set()
 
 
 def _vocab(model: nn.Module) -> int | None:
@@ -76,21 +77,30 @@ class QADTrainer(QATTrainer):
                 "compares their next-token distributions and needs the same tokenizer"
             )
         self.teacher = teacher.to(device=self.args.device, dtype=dtype).eval().requires_grad_(False)
+        if self.is_fsdp_enabled and getattr(self.accelerator.state.fsdp_plugin, "fsdp_version", 1) == 2:
+            blocks = getattr(self.teacher, "_no_split_modules", None) or []
+            shard_frozen(self.teacher, blocks)
+            logger.info("teacher sharded with FSDP2 (blocks: %s)", ", ".join(blocks))
 
     @staticmethod
-    def _last_hidden(model: nn.Module, inputs: dict[str, Any]) -> tuple[torch.Tensor, nn.Module | None]:
-        """The last hidden state and the LM head, or (full logits, None) for models without
-        ``logits_to_keep``."""
+    def _last_hidden(
+        model: nn.Module, inputs: dict[str, Any], full_logits: bool = False
+    ) -> tuple[torch.Tensor, nn.Module | None]:
+        """The last hidden state and the LM head, or (full logits, None) when ``full_logits`` or the model
+        has no ``logits_to_keep``."""
         inner = getattr(model, "module", model)
-        if "logits_to_keep" in inspect.signature(inner.forward).parameters:
+        if not full_logits and "logits_to_keep" in inspect.signature(inner.forward).parameters:
             device = inputs["input_ids"].device
             nothing = torch.empty(0, dtype=torch.long, device=device)
             out = model(**inputs, output_hidden_states=True, logits_to_keep=nothing)
             return out.hidden_states[-1], inner.get_output_embeddings()
-        if type(inner) not in _WARNED:
-            _WARNED.add(type(inner))
+        reason = "under FSDP" if full_logits else "its forward has no logits_to_keep"
+        if (type(inner), reason) not in _WARNED:
+            _WARNED.add((type(inner), reason))
             logger.warning(
-                "%s.forward has no logits_to_keep: distilling on full logits", type(inner).__name__
+                "%s: distilling on full logits (%s): the student's full-vocabulary logits are materialised",
+                type(inner).__name__,
+                reason,
             )
         return model(**inputs).logits, None
 
@@ -107,7 +117,9 @@ class QADTrainer(QATTrainer):
             labels = inputs["input_ids"].clone()
             if "attention_mask" in inputs:
                 labels[inputs["attention_mask"] == 0] = -100
-        student_hidden, student_head = self._last_hidden(model, inputs)
+        # Under FSDP the student's LM head must run inside the sharded forward: its parameters are the root
+        # group's, freed after the root's backward (running it outside crashed backward on FSDP2 / CPU).
+        student_hidden, student_head = self._last_hidden(model, inputs, full_logits=self.is_fsdp_enabled)
         with torch.no_grad():
             teacher_hidden, teacher_head = self._last_hidden(self.teacher, inputs)
         # Like Trainer.compute_loss: with ``num_items_in_batch`` (the shifted-label count of the whole

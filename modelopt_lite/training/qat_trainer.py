@@ -195,6 +195,7 @@ class QATTrainer(Trainer):
             super().save_model(output_dir, _internal_call)
         if self.args.should_save:
             output = Path(output_dir or self.args.output_dir)
+            output.mkdir(parents=True, exist_ok=True)  # FSDP's sharded save writes the model elsewhere
             state = {"recipe": self.quant_args.recipe, "modelopt_state": modelopt_state(model)}
             (output / STATE_FILE).write_text(json.dumps(state, indent=1))
 

@@ -156,12 +156,74 @@ def qat_ddp(kind: str, out: Path, rank: int) -> None:
     (out / f"qat_{rank}.json").write_text(json.dumps(result))
 
 
-SCENARIOS = {"calibrate": calibrate_sharded, "fold": fold_sharded, "bad_input": bad_input, "qat_ddp": qat_ddp}
+def qat_fsdp2(kind: str, out: Path, rank: int) -> None:
+    """QATTrainer on FSDP2 through accelerate. accelerate turns FSDP into DDP on CPU; this test-only shim
+    puts FSDP2 back after the accelerator is built (``kind``: ``STEPS``, ``STEPS:resume`` or
+    ``STEPS:qad``)."""
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+    from transformers import TrainerCallback
+
+    from modelopt_lite.training import QADTrainer, QATTrainer, QuantizationArguments
+    from tests.unit._training import CountingData, cpu_args, step_losses
+
+    class FSDP2OnCPU(QATTrainer):
+        def create_accelerator_and_postprocess(self):
+            super().create_accelerator_and_postprocess()
+            self.accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(
+                fsdp_version=2,
+                auto_wrap_policy="transformer_based_wrap",
+                transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+                state_dict_type="SHARDED_STATE_DICT",
+            )
+            self.accelerator.state.distributed_type = DistributedType.FSDP
+            self.is_fsdp_enabled = True
+
+    class StopAt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step >= stop
+
+    class QADFSDP2OnCPU(QADTrainer, FSDP2OnCPU):
+        pass
+
+    stop, _, mode = kind.partition(":")
+    stop = int(stop)
+    args = cpu_args(out, max_steps=6, per_device_train_batch_size=2, save_strategy="steps", save_steps=3)
+    quant = QuantizationArguments(recipe="NVFP4_DEFAULT_CFG", calib_size=8)
+    common = dict(
+        model=tiny_llama(), args=args, train_dataset=CountingData(), quant_args=quant, callbacks=[StopAt()]
+    )
+    if mode == "qad":
+        trainer = QADFSDP2OnCPU(**common, teacher_model=tiny_llama(seed=1))
+        teacher_weight = trainer.teacher.model.layers[0].mlp.up_proj.weight
+        trainer.train()
+        result = {"losses": step_losses(trainer), "teacher": type(teacher_weight).__name__}
+        (out / f"qad_{rank}.json").write_text(json.dumps(result))
+        return
+    resume = mode == "resume"
+    trainer = FSDP2OnCPU(**common)
+    trainer.train(resume_from_checkpoint=str(out / "checkpoint-3") if resume else None)
+    weight = trainer.model.model.layers[0].mlp.up_proj.weight
+    result = {
+        "losses": step_losses(trainer),
+        "sharded": type(weight).__name__,
+        "amax": amax_of(trainer.model),
+    }
+    result["amax"] = {k: v.tolist() for k, v in result["amax"].items()}
+    (out / f"fsdp2_{stop}{'_resumed' if resume else ''}_{rank}.json").write_text(json.dumps(result))
+
+
+SCENARIOS = {
+    "calibrate": calibrate_sharded,
+    "fold": fold_sharded,
+    "bad_input": bad_input,
+    "qat_ddp": qat_ddp,
+    "qat_fsdp2": qat_fsdp2,
+}
 
 
 def main() -> None:
     scenario, kind, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
-    if scenario == "qat_ddp":  # the Trainer's accelerate state sets up the process group
+    if scenario.startswith("qat_"):  # the Trainer's accelerate state sets up the process group
         SCENARIOS[scenario](kind, out, int(os.environ["RANK"]))
         return
     dist.init_process_group("gloo")

@@ -116,3 +116,28 @@ def test_qat_trainer_under_ddp_calibrates_on_shares_and_warns_about_dropped_fsdp
     assert not torch.equal(
         trained[0]["model.layers.0.mlp.up_proj.weight"], model.model.layers[0].mlp.up_proj.weight
     )
+
+
+def test_qat_under_fsdp2_resumes_exactly(tmp_path):
+    _torchrun("qat_fsdp2", "6", tmp_path / "full")
+    _torchrun("qat_fsdp2", "3", tmp_path / "split")
+    _torchrun("qat_fsdp2", "6:resume", tmp_path / "split")
+    for rank in (0, 1):
+        full = json.loads((tmp_path / "full" / f"fsdp2_6_{rank}.json").read_text())
+        first = json.loads((tmp_path / "split" / f"fsdp2_3_{rank}.json").read_text())
+        resumed = json.loads((tmp_path / "split" / f"fsdp2_6_resumed_{rank}.json").read_text())
+        assert full["sharded"] == "DTensor"  # the shim kept FSDP2: weights are shards
+        assert len(full["losses"]) == 6
+        assert first["losses"] == full["losses"][:3]
+        assert resumed["losses"][-3:] == full["losses"][3:]
+        assert resumed["amax"] == full["amax"]
+
+
+def test_qad_under_fsdp2_shards_the_teacher(tmp_path):
+    _torchrun("qat_fsdp2", "3:qad", tmp_path)
+    results = [json.loads((tmp_path / f"qad_{r}.json").read_text()) for r in (0, 1)]
+    for result in results:
+        assert result["teacher"] == "DTensor"
+        assert len(result["losses"]) == 3
+        assert all(0 < loss < 100 for loss in result["losses"])
+    assert results[0]["losses"] == results[1]["losses"]  # logged losses are averaged over the ranks

@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..distributed import is_sharded
 from ..logging import get_logger, get_rank
 from ..nn import iter_quantizers
 from .hf_config import hf_quant_config, quantization_config
@@ -234,6 +235,12 @@ def export_hf_checkpoint(
         raise ValueError(
             "the model is not quantized (it has no quantizers): call "
             "mtq.quantize(model, config, forward_loop) before export_hf_checkpoint"
+        )
+    if is_sharded(model):
+        raise NotImplementedError(
+            "export_hf_checkpoint on an FSDP2-sharded model is not supported yet: save it with "
+            "trainer.save_model (FSDP state_dict_type FULL_STATE_DICT), restore it in one process with "
+            "mto.restore(model, directory) and export there"
         )
     _check_target(export_dir, overwrite)
     state, quantized, groups, kv_algo = _build_state_dict(model, dtype)

@@ -1,0 +1,30 @@
+"""The bundled default models, trained offline on first use: a small Llama (``"dense"``) and a small
+Qwen3-MoE (``"moe"``, 8 experts, top-2) on English text every CPython install carries (``pydoc_data.topics``
+and standard-library docstrings), with a byte-level BPE tokenizer; cached per user (see ``cache``).
+
+    from modelopt_lite.models import default_model_path, load_default_model, corpus_texts
+
+    path = default_model_path("moe")                 # a Hugging Face checkpoint directory
+    model, tokenizer = load_default_model("dense")
+    heldout = corpus_texts("heldout")                # never seen in training
+
+This package sits on the lowest floor: it needs transformers and tokenizers only.
+"""
+
+from .cache import build_default_model, cache_root, default_model_path, load_default_model
+from .corpus import corpus_digest, corpus_documents, corpus_texts
+from .specs import DENSE, KINDS, MOE, DefaultModelSpec
+
+__all__ = [
+    "DENSE",
+    "KINDS",
+    "MOE",
+    "DefaultModelSpec",
+    "build_default_model",
+    "cache_root",
+    "corpus_digest",
+    "corpus_documents",
+    "corpus_texts",
+    "default_model_path",
+    "load_default_model",
+]

@@ -1,0 +1,113 @@
+"""Where the default models live, and building one there atomically.
+
+Directory: ``$MODELOPT_LITE_CACHE/default_models/<name>-<version>/`` (``$MODELOPT_LITE_CACHE`` defaults to
+``$XDG_CACHE_HOME/modelopt_lite``, else ``~/.cache/modelopt_lite``). A model is trained into a hidden
+temporary directory beside it and renamed into place only when complete (``default_model.json`` is written
+last), so an interrupted or failed training never leaves a half model; a complete directory is reused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .._version import __version__
+from ..logging import get_logger
+from .specs import DefaultModelSpec, spec_for
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerFast
+
+__all__ = ["MARKER", "build_default_model", "cache_root", "default_model_path", "load_default_model"]
+
+logger = get_logger(__name__)
+MARKER = "default_model.json"
+
+
+def cache_root() -> Path:
+    """``$MODELOPT_LITE_CACHE/default_models`` (see the module docstring for the fallbacks)."""
+    base = os.environ.get("MODELOPT_LITE_CACHE")
+    if not base:
+        xdg = os.environ.get("XDG_CACHE_HOME")
+        base = os.path.join(xdg, "modelopt_lite") if xdg else os.path.join("~", ".cache", "modelopt_lite")
+    return Path(base).expanduser() / "default_models"
+
+
+def _complete(path: Path) -> bool:
+    return (path / MARKER).is_file() and (path / "config.json").is_file()
+
+
+def build_default_model(spec: DefaultModelSpec, *, force: bool = False, progress: bool = True) -> Path:
+    """The directory of ``spec``'s model: reused when complete, else trained and written atomically
+    (``force``: train again and replace it)."""
+    from .trainer import train
+
+    target = cache_root() / spec.dirname
+    if _complete(target) and not force:
+        logger.info("default model %s: reusing %s", spec.name, target)
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{spec.dirname}.partial-", dir=target.parent))
+    try:
+        result = train(spec, progress=progress)
+        result.model.save_pretrained(staging)
+        result.tokenizer.save_pretrained(staging)
+        info = {"name": spec.name, "version": spec.version, "modelopt_lite": __version__,
+                "torch": torch.__version__, "spec": spec.to_json(), "report": result.report}  # fmt: skip
+        (staging / MARKER).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+        if _complete(target) and not force:  # another process finished first: keep its (identical) model
+            shutil.rmtree(staging)
+        else:
+            _move_into_place(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    logger.info("default model %s written to %s", spec.name, target)
+    return target
+
+
+def _move_into_place(staging: Path, target: Path) -> None:
+    """Rename ``staging`` to ``target``, replacing an old ``target`` (moved aside first, then deleted)."""
+    old = None
+    if target.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+        os.rename(target, old / target.name)
+    try:
+        os.rename(staging, target)
+    except OSError:
+        if old is not None:  # put the previous model back
+            os.rename(old / target.name, target)
+        raise
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def default_model_path(kind: str = "dense", train_if_missing: bool = True, *, force: bool = False) -> Path:
+    """Directory of the default ``"dense"`` (Llama) or ``"moe"`` (Qwen3-MoE) model, a Hugging Face checkpoint
+    with its tokenizer. Trained on first use (a few minutes on CPU) unless ``train_if_missing=False``."""
+    spec = spec_for(kind)
+    target = cache_root() / spec.dirname
+    if not _complete(target) and not train_if_missing and not force:
+        raise FileNotFoundError(
+            f"the default {kind} model is not built yet ({target}); run `modelopt-lite-default-model --kind "
+            f"{kind}` or call default_model_path({kind!r}, train_if_missing=True)"
+        )
+    return build_default_model(spec, force=force)
+
+
+def load_default_model(
+    kind: str = "dense", dtype: torch.dtype = torch.float32, train_if_missing: bool = True
+) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """``(model, tokenizer)`` of the default model, the model in eval mode and ``dtype``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = default_model_path(kind, train_if_missing=train_if_missing)
+    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return model.eval(), AutoTokenizer.from_pretrained(path)

@@ -1,0 +1,44 @@
+"""``modelopt-lite-default-model``: build (or find) the default models in the cache and log where they are.
+
+``modelopt-lite-default-model --kind all`` builds both (a few minutes each on CPU the first time);
+``--kind moe --force`` trains the MoE model again and replaces the cached one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+
+from ..logging import get_logger
+from .cache import MARKER, cache_root, default_model_path
+from .specs import KINDS, spec_for
+
+__all__ = ["main"]
+
+logger = get_logger(__name__)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="modelopt-lite-default-model",
+        description="Train (first time) or find the bundled default models: a small Llama (dense) and a "
+        "small Qwen3-MoE (moe) trained on CPython docs. Cache: $MODELOPT_LITE_CACHE/default_models "
+        f"(now {cache_root()}).",
+    )
+    p.add_argument("--kind", choices=[*KINDS, "all"], default="all", help="which model (default: all)")
+    p.add_argument("--force", action="store_true", help="train again even when a cached model exists")
+    args = p.parse_args(argv)
+    for kind in KINDS if args.kind == "all" else (args.kind,):
+        path = default_model_path(kind, force=args.force)
+        report = json.loads((path / MARKER).read_text())["report"]
+        logger.info(
+            "%s (%s): %s | %.2fM parameters, held-out perplexity %.2f vs unigram %.2f, trained in %.0f s",
+            kind, spec_for(kind).name, path, report["parameters"] / 1e6, report["heldout_perplexity"],
+            report["unigram_perplexity"], report["train_seconds"],
+        )  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,280 @@
+"""The bundled default models (modelopt_lite.models): corpus split, tokenizer, deterministic training with a
+tiny budget, atomic cache writes, reuse, the API and command, and the PTQ command line's default."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+
+import pytest
+import torch
+
+from modelopt_lite.models import (
+    DENSE,
+    MOE,
+    build_default_model,
+    cache_root,
+    cli,
+    corpus,
+    corpus_texts,
+    default_model_path,
+    specs,
+    trainer,
+)
+from modelopt_lite.models import cache as cache_mod
+from modelopt_lite.models.tokenizer import train_tokenizer
+
+from ._export_cases import tensors
+
+
+def tiny(spec: specs.DefaultModelSpec, **over) -> specs.DefaultModelSpec:
+    """``spec`` with a budget of a few seconds: 32-wide, one layer, 4 steps, 40 documents per split."""
+    model = {**spec.model_config, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1}
+    if spec.architecture == "qwen3_moe":
+        model.update(head_dim=8, moe_intermediate_size=16, num_experts=4)
+    budget = dict(steps=4, warmup_steps=1, vocab_size=300, seq_len=32, batch_size=2, max_documents=40)
+    return dataclasses.replace(spec, model_config=model, **{**budget, **over})
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MODELOPT_LITE_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture
+def tiny_specs(monkeypatch):
+    monkeypatch.setitem(specs.SPECS, "dense", tiny(DENSE))
+    monkeypatch.setitem(specs.SPECS, "moe", tiny(MOE))
+    return specs.SPECS
+
+
+def _state(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+# ----------------------------------------------------------------------------------------------- corpus
+
+
+def test_split_disjoint_covering_and_stable():
+    train, held, every = corpus_texts("train"), corpus_texts("heldout"), corpus_texts("all")
+    assert not set(train) & set(held)
+    assert sorted(train + held) == sorted(every)
+    assert len(set(every)) == len(every)  # texts unique
+    assert 0.05 < len(held) / len(every) < 0.15
+    assert sum(map(len, every)) > 500_000  # about 1 MB of English on CPython 3.10+
+    # pydoc topics and stdlib docstrings are both there
+    names = [d.name for d in corpus.corpus_documents()]
+    assert any(n.startswith("topics:") for n in names)
+    assert "json.dumps" in names
+    # the side of a document depends on its text only (SHA-256 rule), and a fresh read gives the same corpus
+    for doc in corpus.corpus_documents()[:50]:
+        h = int(hashlib.sha256(doc.text.encode()).hexdigest()[:8], 16)
+        assert doc.heldout == (h < 0.10 * 2**32)
+    digest = corpus.corpus_digest()
+    corpus.corpus_documents.cache_clear()
+    assert corpus_texts("heldout") == held
+    assert corpus.corpus_digest() == digest
+    with pytest.raises(ValueError, match="'heldout'"):
+        corpus_texts("validation")  # type: ignore[arg-type]
+
+
+# -------------------------------------------------------------------------------------------- tokenizer
+
+
+def test_tokenizer_round_trip_and_special_tokens(tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = train_tokenizer(corpus_texts("train")[:200], vocab_size=400)
+    assert len(tok) == 400
+    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (0, 1, 2)
+    samples = ["def f(x):\n    return x  # tabs\tand  spaces", "naïve café — 東京 🙂", "", " lead and trail "]
+    for s in samples:
+        ids = tok(s, add_special_tokens=False)["input_ids"]
+        assert tok.decode(ids) == s
+    tok.save_pretrained(tmp_path)
+    again = AutoTokenizer.from_pretrained(tmp_path)
+    assert again(samples[1])["input_ids"] == tok(samples[1])["input_ids"]
+    assert again.eos_token == "<|eos|>"
+    assert again.pad_token == "<|pad|>"
+    with pytest.raises(ValueError, match="at least 259"):
+        train_tokenizer(["abc"], vocab_size=100)
+
+
+# ------------------------------------------------------------------------------------------- training
+
+
+@pytest.mark.parametrize("base", [DENSE, MOE], ids=["dense", "moe"])
+def test_training_is_deterministic(base):
+    spec = tiny(base)
+    a = trainer.train(spec, progress=False)
+    torch.manual_seed(123)  # the caller's random state does not matter
+    b = trainer.train(spec, progress=False)
+    sa, sb = _state(a.model), _state(b.model)
+    assert sa.keys() == sb.keys()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert a.tokenizer.backend_tokenizer.to_str() == b.tokenizer.backend_tokenizer.to_str()
+    other = trainer.train(dataclasses.replace(spec, seed=1), progress=False)
+    assert not all(torch.equal(sa[k], v) for k, v in _state(other.model).items())
+    assert a.report == {**b.report, "train_seconds": a.report["train_seconds"]}
+
+
+def test_a_small_budget_beats_the_unigram_baseline():
+    spec = tiny(DENSE, steps=60, warmup_steps=5, batch_size=8, max_documents=300, lr=1e-2)
+    report = trainer.train(spec, progress=False).report
+    assert report["heldout_perplexity"] < 0.8 * report["unigram_perplexity"]
+
+
+def test_spec_version_names_the_recipe():
+    assert tiny(DENSE).dirname != tiny(DENSE, steps=5).dirname
+    assert tiny(DENSE).dirname == tiny(DENSE).dirname
+    assert DENSE.dirname.startswith("llama-dense-")
+    assert MOE.dirname.startswith("qwen3-moe-")
+    with pytest.raises(ValueError, match="warmup_steps"):
+        tiny(DENSE, warmup_steps=10)
+    with pytest.raises(ValueError, match="'llama'"):
+        dataclasses.replace(DENSE, architecture="gpt2")
+
+
+# ----------------------------------------------------------------------------------------------- cache
+
+
+def test_cache_root_follows_the_environment(tmp_path, monkeypatch):
+    assert cache_root() == tmp_path / "cache" / "default_models"
+    monkeypatch.delenv("MODELOPT_LITE_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_root() == tmp_path / "xdg" / "modelopt_lite" / "default_models"
+
+
+def _interrupt_after(monkeypatch, steps: int, exc: BaseException) -> None:
+    """Raise ``exc`` in the middle of the training loop, after ``steps`` optimizer steps."""
+    real, calls = torch.nn.utils.clip_grad_norm_, []
+
+    def clip(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > steps:
+            raise exc
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt(), RuntimeError("disk full")], ids=["ctrl-c", "error"])
+def test_interrupted_training_leaves_nothing(monkeypatch, exc):
+    _interrupt_after(monkeypatch, 2, exc)
+    with pytest.raises(type(exc)):
+        build_default_model(tiny(DENSE), progress=False)
+    assert list(cache_root().iterdir()) == []  # no model, no partial directory
+
+
+def test_failed_save_leaves_nothing(monkeypatch):
+    from transformers import PreTrainedTokenizerFast
+
+    def broken(self, *args, **kwargs):
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(PreTrainedTokenizerFast, "save_pretrained", broken)  # after the weights are written
+    with pytest.raises(OSError, match="no space"):
+        build_default_model(tiny(DENSE), progress=False)
+    assert list(cache_root().iterdir()) == []
+
+
+def test_reused_from_cache_without_training(monkeypatch, lib_caplog):
+    lib_caplog.set_level("INFO", logger="modelopt_lite")
+    spec = tiny(DENSE)
+    path = build_default_model(spec, progress=False)
+    assert path == cache_root() / spec.dirname
+    info = json.loads((path / cache_mod.MARKER).read_text())
+    assert info["version"] == spec.version
+    assert info["spec"]["steps"] == 4
+    weights = path / "model.safetensors"
+    mtime = weights.stat().st_mtime_ns
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("retrained a cached model")
+
+    monkeypatch.setattr(trainer, "train", no_training)
+    assert build_default_model(spec, progress=False) == path
+    assert weights.stat().st_mtime_ns == mtime
+    assert f"reusing {path}" in lib_caplog.text
+    with pytest.raises(AssertionError, match="retrained"):
+        build_default_model(spec, force=True, progress=False)  # force trains again
+    assert weights.stat().st_mtime_ns == mtime  # and the failed retraining kept the old model
+    assert sorted(p.name for p in cache_root().iterdir()) == [spec.dirname]
+
+
+def test_force_replaces_the_cached_model():
+    spec = tiny(DENSE)
+    path = build_default_model(spec, progress=False)
+    before = (path / "model.safetensors").stat().st_mtime_ns
+    assert build_default_model(spec, force=True, progress=False) == path
+    assert (path / "model.safetensors").stat().st_mtime_ns != before
+    assert sorted(p.name for p in cache_root().iterdir()) == [spec.dirname]
+
+
+def test_default_model_path_and_load(tiny_specs):
+    with pytest.raises(FileNotFoundError, match="modelopt-lite-default-model --kind moe"):
+        default_model_path("moe", train_if_missing=False)
+    with pytest.raises(ValueError, match="'dense'"):
+        default_model_path("sparse")
+    path = default_model_path("moe")
+    assert default_model_path("moe", train_if_missing=False) == path
+    from modelopt_lite.models import load_default_model
+
+    model, tok = load_default_model("moe", dtype=torch.bfloat16)
+    assert type(model).__name__ == "Qwen3MoeForCausalLM"
+    assert not model.training
+    assert model.dtype == torch.bfloat16
+    assert model.config.num_experts == 4
+    ids = tok("import json", return_tensors="pt").input_ids
+    assert model(ids).logits.shape == (1, ids.shape[1], len(tok))
+
+
+def test_command(tiny_specs, lib_caplog, capsys):
+    lib_caplog.set_level("INFO", logger="modelopt_lite")
+    assert cli.main(["--kind", "dense"]) == 0
+    assert str(cache_root() / tiny_specs["dense"].dirname) in lib_caplog.text
+    assert "held-out perplexity" in lib_caplog.text
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--help"])
+    assert exit_.value.code == 0
+    assert "--force" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------------- PTQ command default
+
+
+def test_ptq_defaults_to_the_moe_model_and_corpus(tiny_specs, tmp_path, lib_caplog):
+    from modelopt_lite.export.ptq import main
+
+    lib_caplog.set_level("INFO", logger="modelopt_lite")
+    out = tmp_path / "out"
+    args = ["--qformat", "nvfp4", "--experts_implementation", "eager", "--export_path", str(out)]
+    assert main([*args, "--calib_size", "8", "--eval_size", "2"]) == 0
+    assert f"no --pyt_ckpt_path: the bundled default moe model {cache_root()}" in lib_caplog.text
+    t = tensors(out)
+    experts = [k for k in t if ".mlp.experts." in k and k.endswith(".weight")]
+    assert len(experts) == 1 * 4 * 3
+    assert all(not t[k].dtype.is_floating_point for k in experts)
+    assert "held-out perplexity" in lib_caplog.text
+
+
+def test_ptq_default_model_flag(tiny_specs, tmp_path, lib_caplog, capsys):
+    from modelopt_lite.export.ptq import main
+
+    lib_caplog.set_level("INFO", logger="modelopt_lite")
+    args = ["--default_model", "dense", "--qformat", "fp8", "--calib_size", "2", "--eval_size", "1"]
+    assert main(args) == 0
+    assert "bundled default dense model" in lib_caplog.text
+    with pytest.raises(SystemExit):
+        main(["--default_model", "dense", "--pyt_ckpt_path", str(tmp_path)])
+    assert "only one of them" in capsys.readouterr().err
+
+
+def test_ptq_default_corpus_too_small(tiny_specs, lib_caplog):
+    from modelopt_lite.export.ptq import main
+
+    assert main(["--default_model", "dense", "--eval_size", "100000"]) == 2
+    assert "--eval_size = 100000 samples of 32 tokens, but the default corpus' held-out split has" in (
+        lib_caplog.text
+    )

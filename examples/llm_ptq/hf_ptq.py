@@ -1,5 +1,10 @@
 """Post-training quantization of a Hugging Face causal LM, then a deployable checkpoint; runs on CPU, offline.
 
+    python examples/llm_ptq/hf_ptq.py --qformat nvfp4 --experts_implementation eager --export_path ./moe-nvfp4
+
+quantizes the bundled default Qwen3-MoE (``--default_model dense`` for the Llama; trained into the user
+cache on first use, a few minutes on CPU) calibrated on its own corpus; with your model and data:
+
     python examples/llm_ptq/hf_ptq.py --pyt_ckpt_path ./model --qformat nvfp4 --kv_cache_qformat fp8 \
         --dataset corpus.txt --calib_size 64 --calib_seq 512 --export_path ./model-nvfp4
 

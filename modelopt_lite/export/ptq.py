@@ -2,8 +2,13 @@
 LM, calibrate and quantize it, report held-out perplexity before and after, export a deployable checkpoint.
 Runs on CPU, offline.
 
+    modelopt-lite-ptq --qformat nvfp4 --experts_implementation eager --export_path ./moe-nvfp4
     modelopt-lite-ptq --pyt_ckpt_path ./llama --qformat nvfp4 --kv_cache_qformat fp8 \\
         --dataset corpus.txt --calib_size 64 --export_path ./llama-nvfp4
+
+Without ``--pyt_ckpt_path`` the bundled default model is used (``--default_model moe`` (default) or
+``dense``, see ``modelopt_lite.models``; trained into the user cache on first use, a few minutes on CPU).
+Without ``--dataset`` calibration reads the default corpus' train split and perplexity its held-out split.
 
 ``--qformat a,b`` makes a mixed recipe: ``a`` for the attention projections, ``b`` for the MLP and experts
 (the two presets' calibration algorithms must agree, or one of them be plain max).
@@ -46,6 +51,8 @@ QFORMATS = {
     "mxfp4": "MXFP4_DEFAULT_CFG",
 }
 NOT_EXPORTABLE = {"mxfp4"}  # no deployable tensor layout in the export (yet)
+DEFAULT_MODEL_KINDS = ("moe", "dense")  # modelopt_lite.models.KINDS, without importing it for --help
+DEFAULT_CALIB_SEQ = 512
 KV_FORMATS = {"none": None, "fp8": "FP8_KV_CFG", "nvfp4": "NVFP4_KV_CFG"}
 _EXPORTABLE_KV = {"none", "fp8"}
 
@@ -88,20 +95,38 @@ def build_config(qformat: str, kv_cache_qformat: str = "none") -> dict[str, Any]
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="modelopt-lite-ptq", description=__doc__.split("\n\n")[0])
-    # TODO(issue 9): default to the bundled default model once it exists
-    p.add_argument("--pyt_ckpt_path", required=True, help="Hugging Face model directory (or cached hub name)")
+    p.add_argument(
+        "--pyt_ckpt_path",
+        default=None,
+        help="Hugging Face model directory (or cached hub name); default: the bundled default model that "
+        "--default_model names (trained into the cache on first use, a few minutes on CPU)",
+    )
+    p.add_argument(
+        "--default_model",
+        choices=list(DEFAULT_MODEL_KINDS),
+        default=None,
+        help="the bundled model to use when --pyt_ckpt_path is omitted: moe (Qwen3-MoE, 8 experts; the "
+        "default) or dense (Llama)",
+    )
     p.add_argument("--qformat", default="nvfp4", help=f"one of {sorted(QFORMATS)}, or 'attention,mlp'")
     p.add_argument("--kv_cache_qformat", default="none", choices=sorted(KV_FORMATS))
     p.add_argument("--recipe", default=None, help="a recipe name or YAML path (replaces --qformat)")
     p.add_argument("--calib_size", type=int, default=64, help="calibration samples of --calib_seq tokens")
     p.add_argument("--eval_size", type=int, default=8, help="held-out samples for perplexity (0: skip)")
     p.add_argument("--batch_size", type=int, default=4)
-    p.add_argument("--calib_seq", type=int, default=512)
+    p.add_argument(
+        "--calib_seq",
+        type=int,
+        default=None,
+        help=f"tokens per sample: {DEFAULT_CALIB_SEQ}, or max_position_embeddings of the model if lower",
+    )
     p.add_argument(
         "--dataset",
         nargs="+",
-        required=True,
-        help="local .txt / .json / .jsonl files (field 'text'), or a dataset name cached offline",
+        default=None,
+        help="local .txt / .json / .jsonl files (field 'text'), or a dataset name cached offline; default: "
+        "the default models' corpus (CPython's documentation): calibration on its train split, perplexity on "
+        "its held-out split",
     )
     p.add_argument("--experts_implementation", choices=["eager", "grouped_mm"], default=None)
     p.add_argument("--export_path", default=None, help="write a deployable checkpoint here (omit: no export)")
@@ -111,8 +136,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trust_remote_code", action="store_true", help="run the model repository's own code")
     args = p.parse_args(argv)
     for flag in ("calib_size", "batch_size", "calib_seq"):
-        if getattr(args, flag) < 1:
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
             p.error(f"--{flag} must be a positive integer")
+    if args.pyt_ckpt_path is not None and args.default_model is not None:
+        p.error(
+            "--default_model picks the bundled model when --pyt_ckpt_path is omitted; pass only one of them"
+        )
     if args.recipe is None:
         try:
             build_config(args.qformat, args.kv_cache_qformat)
@@ -153,15 +182,34 @@ def _texts(sources: list[str]) -> list[str]:
     return texts
 
 
-def _windows(tokenizer: Any, sources: list[str], seq: int, needed: int) -> torch.Tensor:
-    ids = tokenizer("\n\n".join(_texts(sources)), return_tensors="pt").input_ids[0]
+def _windows(tokenizer: Any, texts: list[str], seq: int, needed: int, what: str, source: str) -> torch.Tensor:
+    """The first ``needed`` windows of ``seq`` tokens of the joined ``texts``; ``what`` (the flags) and
+    ``source`` (the data) name them in the error."""
+    ids = tokenizer("\n\n".join(texts), return_tensors="pt").input_ids[0]
     count = ids.numel() // seq
     if count < needed:
         raise ValueError(
-            f"--calib_size + --eval_size = {needed} samples of {seq} tokens, but the dataset has "
-            f"{ids.numel()} tokens ({count} samples); lower --calib_size / --calib_seq or add data"
+            f"{what} = {needed} samples of {seq} tokens, but {source} has {ids.numel()} tokens "
+            f"({count} samples); lower --calib_size / --calib_seq or add data"
         )
-    return ids[: count * seq].view(count, seq)
+    return ids[: needed * seq].view(needed, seq)
+
+
+def _samples(args: argparse.Namespace, tokenizer: Any, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(calibration, held-out) samples: from ``--dataset`` (one stream, calibration first), else the
+    default corpus' train and held-out splits."""
+    if args.dataset:
+        needed = args.calib_size + args.eval_size
+        samples = _windows(
+            tokenizer, _texts(args.dataset), seq, needed, "--calib_size + --eval_size", "the dataset"
+        )
+        return samples[: args.calib_size], samples[args.calib_size :]
+    from ..models import corpus_texts
+
+    train, held = "the default corpus' train split", "the default corpus' held-out split"
+    calib = _windows(tokenizer, corpus_texts("train"), seq, args.calib_size, "--calib_size", train)
+    held_out = _windows(tokenizer, corpus_texts("heldout"), seq, args.eval_size, "--eval_size", held)
+    return calib, held_out
 
 
 @torch.no_grad()
@@ -186,7 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from . import export_hf_checkpoint
 
@@ -194,12 +242,29 @@ def _run(args: argparse.Namespace) -> int:
         config: Any = mtq.resolve_config(args.recipe)
     else:
         config = build_config(args.qformat, args.kv_cache_qformat)
-    tokenizer = AutoTokenizer.from_pretrained(args.pyt_ckpt_path, trust_remote_code=args.trust_remote_code)
-    samples = _windows(tokenizer, args.dataset, args.calib_seq, args.calib_size + args.eval_size)
-    calib, held_out = samples[: args.calib_size], samples[args.calib_size : args.calib_size + args.eval_size]
-    model = AutoModelForCausalLM.from_pretrained(
-        args.pyt_ckpt_path, dtype=args.dtype, trust_remote_code=args.trust_remote_code
-    ).to(args.device)
+    ckpt = args.pyt_ckpt_path
+    if ckpt is None:
+        from ..models import default_model_path
+
+        kind = args.default_model or "moe"
+        ckpt = str(default_model_path(kind))
+        logger.info("no --pyt_ckpt_path: the bundled default %s model %s", kind, ckpt)
+    remote = args.trust_remote_code
+    seq = args.calib_seq
+    if seq is None:
+        limit = getattr(
+            AutoConfig.from_pretrained(ckpt, trust_remote_code=remote), "max_position_embeddings", None
+        )
+        seq = min(DEFAULT_CALIB_SEQ, limit) if isinstance(limit, int) and limit > 0 else DEFAULT_CALIB_SEQ
+    tokenizer = AutoTokenizer.from_pretrained(ckpt, trust_remote_code=remote)
+    if args.dataset is None:
+        logger.info(
+            "no --dataset: calibration on the default corpus' train split, perplexity on its held-out"
+        )
+    calib, held_out = _samples(args, tokenizer, seq)
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=args.dtype, trust_remote_code=remote).to(
+        args.device
+    )
     model.eval()
     before = perplexity(model, held_out, args.batch_size, args.device) if args.eval_size else None
     batches = [calib[i : i + args.batch_size] for i in range(0, calib.shape[0], args.batch_size)]

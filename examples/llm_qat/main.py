@@ -1,0 +1,221 @@
+"""QAT / QAD of a causal LM with modelopt_lite, offline, on CPU or GPU, one process or many.
+
+    python examples/llm_qat/main.py --config examples/llm_qat/configs/qat_nvfp4.yaml
+    accelerate launch --config_file examples/llm_qat/accelerate_config/ddp.yaml --num_processes 2 \\
+        examples/llm_qat/main.py --config examples/llm_qat/configs/qad_nvfp4.yaml --max_steps 20
+
+Arguments: ``ModelArguments`` and ``DataArguments`` below, ``transformers.TrainingArguments``,
+``QuantizationArguments`` and ``DistillationArguments``; ``--config file.yaml`` holds any of them and the
+command line overrides it. Without ``--model_name_or_path`` the bundled default model (``--default_model
+dense|moe``) is used, trained on first use; without ``--dataset``, its corpus (CPython's documentation).
+``--teacher_model same`` distils from the unquantized starting model (QAD); no teacher means QAT.
+
+The run: held-out perplexity of the model as given, quantize + calibrate (PTQ), perplexity again, train,
+perplexity after, export a deployable checkpoint to ``<output_dir>/export`` and read it back.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, TrainingArguments
+
+from modelopt_lite.logging import get_logger
+from modelopt_lite.training import DistillationArguments, QADTrainer, QATTrainer, QuantizationArguments
+
+logger = get_logger("modelopt_lite.examples.llm_qat")
+
+
+@dataclass
+class ModelArguments:
+    model_name_or_path: str | None = field(
+        default=None, metadata={"help": "A local model directory; default: the bundled default model."}
+    )
+    default_model: str = field(default="dense", metadata={"help": "Bundled default model: dense or moe."})
+    dtype: str = field(default="float32", metadata={"help": "Weights dtype: float32 or bfloat16."})
+    trust_remote_code: bool = field(default=False, metadata={"help": "Allow custom model code (off)."})
+
+
+@dataclass
+class DataArguments:
+    dataset: str | None = field(
+        default=None,
+        metadata={
+            "help": "A local .txt / .json / .jsonl file (records with 'text'); default: the default "
+            "model's corpus (train split for training, held-out split for evaluation)."
+        },
+    )
+    seq_len: int = field(default=128, metadata={"help": "Tokens per training / evaluation sample."})
+    train_samples: int | None = field(default=None, metadata={"help": "Cap on training samples."})
+    eval_samples: int = field(default=64, metadata={"help": "Held-out samples for perplexity."})
+    heldout_percent: float = field(
+        default=10.0, metadata={"help": "With --dataset: the share of the file kept for evaluation."}
+    )
+
+
+class TokenWindows(torch.utils.data.Dataset):
+    """Consecutive ``seq_len`` windows of a token stream as causal-LM samples."""
+
+    def __init__(self, stream: torch.Tensor, seq_len: int, limit: int | None = None):
+        count = stream.numel() // seq_len
+        if count == 0:
+            raise ValueError(f"{stream.numel()} tokens are fewer than one sample of seq_len={seq_len}")
+        self.ids = stream[: count * seq_len].view(count, seq_len)[:limit]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+DATACLASSES = (ModelArguments, DataArguments, TrainingArguments, QuantizationArguments, DistillationArguments)
+
+
+def parse(argv: list[str]) -> tuple[Any, ...]:
+    """The five argument dataclasses from ``--config file.yaml`` (optional) and the command line."""
+    parser = HfArgumentParser(DATACLASSES)
+    config_args: list[str] = []
+    if "--config" in argv:
+        i = argv.index("--config")
+        if i + 1 >= len(argv):
+            raise SystemExit("--config needs a YAML file")
+        path = Path(argv[i + 1])
+        if not path.is_file():
+            raise SystemExit(f"--config {path}: no such file")
+        values = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(values, dict):
+            raise SystemExit(f"--config {path}: expected a mapping of argument names to values")
+        known = {f.name for cls in DATACLASSES for f in fields(cls) if f.init}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise SystemExit(f"--config {path}: unknown key(s) {unknown}; see --help for the arguments")
+        for key, value in values.items():
+            if isinstance(value, (list, dict)):
+                value = json.dumps(value)
+            config_args += [f"--{key}", str(value)]
+        argv = argv[:i] + argv[i + 2 :]
+    return parser.parse_args_into_dataclasses(args=config_args + argv)
+
+
+def load_texts(data: DataArguments) -> tuple[list[str], list[str]]:
+    """(train texts, held-out texts)."""
+    if data.dataset is None:
+        from modelopt_lite.models import corpus_texts
+
+        return corpus_texts("train"), corpus_texts("heldout")
+    path = Path(data.dataset)
+    if not path.is_file():
+        raise SystemExit(f"--dataset {path}: no such file")
+    if path.suffix in (".json", ".jsonl"):
+        raw = path.read_text(encoding="utf-8")
+        records = (
+            json.loads(raw) if path.suffix == ".json" else [json.loads(x) for x in raw.splitlines() if x]
+        )
+        texts = [r["text"] for r in records]
+    else:
+        texts = [t for t in path.read_text(encoding="utf-8").split("\n\n") if t.strip()]
+    cut = max(1, int(len(texts) * (1 - data.heldout_percent / 100)))
+    if cut >= len(texts):
+        raise SystemExit(f"--dataset {path}: too little text to keep {data.heldout_percent}% for evaluation")
+    return texts[:cut], texts[cut:]
+
+
+def stream_of(tokenizer: Any, texts: list[str]) -> torch.Tensor:
+    ids: list[int] = []
+    for row in tokenizer(texts, add_special_tokens=False)["input_ids"]:
+        ids += (
+            [tokenizer.bos_token_id, *row, tokenizer.eos_token_id]
+            if tokenizer.bos_token_id is not None
+            else row
+        )
+    return torch.tensor(ids, dtype=torch.long)
+
+
+@torch.no_grad()
+def perplexity(model: torch.nn.Module, dataset: TokenWindows, batch_size: int = 8) -> float:
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    for batch in dataset.ids.split(batch_size):
+        batch = batch.to(device)
+        n = batch.numel() - batch.shape[0]
+        total += float(model(input_ids=batch, labels=batch).loss) * n
+        count += n
+    model.train(was_training)
+    return math.exp(total / count)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    model_args, data, training, quant, distill = parse(sys.argv[1:] if argv is None else argv)
+    if model_args.model_name_or_path is None:
+        from modelopt_lite.models import default_model_path
+
+        model_args.model_name_or_path = str(default_model_path(model_args.default_model))
+    path = model_args.model_name_or_path
+    if not Path(path).is_dir():
+        raise SystemExit(f"--model_name_or_path {path}: not a directory")
+    dtype = getattr(torch, model_args.dtype)
+    load = dict(dtype=dtype, trust_remote_code=model_args.trust_remote_code, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(path, **load)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    train_texts, eval_texts = load_texts(data)
+    train_set = TokenWindows(stream_of(tokenizer, train_texts), data.seq_len, data.train_samples)
+    eval_set = TokenWindows(stream_of(tokenizer, eval_texts), data.seq_len, data.eval_samples)
+    results: dict[str, Any] = {"model": path, "recipe": quant.recipe, "train_samples": len(train_set)}
+    results["ppl_baseline"] = perplexity(model, eval_set)
+
+    teacher = distill.teacher_model
+    if teacher == "same":
+        distill.teacher_model = path
+    common = dict(
+        model=model, args=training, train_dataset=train_set, quant_args=quant, processing_class=tokenizer
+    )
+    trainer = QADTrainer(**common, distill_args=distill) if teacher else QATTrainer(**common)
+    results["mode"] = "qad" if teacher else "qat"
+    trainer.quantize_model()  # PTQ first, to report what training recovers
+    results["ppl_ptq"] = perplexity(model, eval_set)
+    trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
+    results["ppl_after"] = perplexity(trainer.model, eval_set)
+    results["tokens_trained"] = (
+        trainer.state.global_step
+        * training.per_device_train_batch_size
+        * (training.gradient_accumulation_steps * training.world_size * data.seq_len)
+    )
+    trainer.save_model()
+    if trainer.is_world_process_zero():
+        results.update(
+            export_and_reload(
+                trainer.accelerator.unwrap_model(trainer.model),
+                tokenizer,
+                Path(training.output_dir) / "export",
+                eval_set,
+            )
+        )
+        logger.info("results: %s", json.dumps(results, indent=1))
+        (Path(training.output_dir) / "results.json").write_text(json.dumps(results, indent=1))
+    return results
+
+
+def export_and_reload(model: Any, tokenizer: Any, export_dir: Path, eval_set: TokenWindows) -> dict[str, Any]:
+    from modelopt_lite.export import export_hf_checkpoint
+
+    result = export_hf_checkpoint(model, export_dir, tokenizer=tokenizer, overwrite=True)
+    reloaded = AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32)
+    return {
+        "export_dir": str(export_dir),
+        "export_mb": round(result.total_bytes / 1e6, 3),
+        "ppl_exported_weights": perplexity(reloaded, eval_set),
+    }
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""examples/llm_qat/main.py end to end on a tiny model and a local text file: QAT and QAD, the YAML config
+with command-line overrides, export read back, resume, and the bad-input list."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from ._models import tiny_llama
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _main():
+    spec = importlib.util.spec_from_file_location("llm_qat_main", ROOT / "examples/llm_qat/main.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["llm_qat_main"] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("llm_qat")
+    words = {f"w{i}": i for i in range(125)} | {"<s>": 125, "</s>": 126, "<pad>": 127}
+    raw = Tokenizer(models.WordLevel(words, unk_token="w0"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=raw, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+    model = tiny_llama()
+    model.save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    paragraphs = [" ".join(f"w{(s + 3 * i) % 125}" for i in range(40)) for s in range(60)]
+    (root / "data.txt").write_text("\n\n".join(paragraphs))
+    return root
+
+
+def _args(setup, out, *extra):
+    return [
+        "--model_name_or_path",
+        str(setup / "model"),
+        "--dataset",
+        str(setup / "data.txt"),
+        "--seq_len",
+        "16",
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        "3",
+        "--per_device_train_batch_size",
+        "4",
+        "--use_cpu",
+        "true",
+        "--report_to",
+        "none",
+        "--calib_size",
+        "8",
+        "--eval_samples",
+        "8",
+        "--save_strategy",
+        "no",
+        *extra,
+    ]
+
+
+def test_qat_from_a_yaml_config_with_overrides_exports_and_reads_back(setup, tmp_path):
+    config = tmp_path / "qat.yaml"
+    config.write_text("recipe: FP8_DEFAULT_CFG\nmax_steps: 50\nlearning_rate: 0.001\n")
+    results = _main().main(["--config", str(config), *_args(setup, tmp_path / "run")])  # max_steps 3 wins
+    assert results["mode"] == "qat"
+    assert results["recipe"] == "FP8_DEFAULT_CFG"
+    assert results["tokens_trained"] == 3 * 4 * 16
+    for key in ("ppl_baseline", "ppl_ptq", "ppl_after", "ppl_exported_weights"):
+        assert 1 < results[key] < 1e4, (key, results)
+    assert (tmp_path / "run" / "export" / "hf_quant_config.json").is_file()
+    assert json.loads((tmp_path / "run" / "results.json").read_text()) == results
+
+
+def test_qad_distils_from_the_unquantized_model_and_resumes(setup, tmp_path):
+    main = _main()
+    extra = (
+        "--recipe",
+        "NVFP4_DEFAULT_CFG",
+        "--teacher_model",
+        "same",
+        "--save_strategy",
+        "steps",
+        "--save_steps",
+        "2",
+    )
+    first = main.main(_args(setup, tmp_path, *extra))
+    assert first["mode"] == "qad"
+    resumed = main.main(
+        _args(
+            setup,
+            tmp_path,
+            *extra,
+            "--max_steps",
+            "4",
+            "--resume_from_checkpoint",
+            str(tmp_path / "checkpoint-2"),
+        )
+    )
+    assert resumed["tokens_trained"] == 4 * 4 * 16
+
+
+def test_bad_input(setup, tmp_path):
+    main = _main()
+    config = tmp_path / "bad.yaml"
+    config.write_text("recipe: FP8_DEFAULT_CFG\nlearning_rat: 0.1\n")
+    with pytest.raises(SystemExit, match=r"unknown key\(s\) \['learning_rat'\]"):
+        main.main(["--config", str(config), *_args(setup, tmp_path)])
+    with pytest.raises(SystemExit, match="no such file"):
+        main.main([*_args(setup, tmp_path), "--dataset", str(tmp_path / "missing.txt")])
+    with pytest.raises(ValueError, match="is not a directory"):
+        main.main([*_args(setup, tmp_path), "--teacher_model", str(tmp_path / "no_teacher")])

@@ -5,24 +5,27 @@ from .comm import (
     RankFailedError,
     all_ranks_succeed,
     all_reduce_max,
+    broadcast_json,
     broadcast_tensors,
     check_same_on_all_ranks,
     is_distributed,
     rank,
     world_size,
 )
-from .window import is_sharded, shard_frozen, weight_access
+from .window import is_sharded, shard_frozen, unsharded_class, weight_access
 
 __all__ = [
     "RankFailedError",
     "all_ranks_succeed",
     "all_reduce_max",
+    "broadcast_json",
     "broadcast_tensors",
     "check_same_on_all_ranks",
     "is_distributed",
     "is_sharded",
     "rank",
     "shard_frozen",
+    "unsharded_class",
     "weight_access",
     "world_size",
 ]

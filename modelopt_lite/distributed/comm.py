@@ -5,7 +5,8 @@
 * :func:`check_same_on_all_ranks`: refuse to go on when ranks disagree (e.g. on the set of quantizers);
 * :func:`all_reduce_max`: element-wise max of named tensors across ranks, where a rank may lack some of
   them (an expert that saw no tokens there);
-* :func:`broadcast_tensors`: rank 0's values everywhere.
+* :func:`broadcast_tensors`: rank 0's values everywhere;
+* :func:`broadcast_json`: rank 0's JSON-serialisable value everywhere (no pickle).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ __all__ = [
     "RankFailedError",
     "all_ranks_succeed",
     "all_reduce_max",
+    "broadcast_json",
     "broadcast_tensors",
     "check_same_on_all_ranks",
     "is_distributed",
@@ -146,3 +148,18 @@ def broadcast_tensors(tensors: list[torch.Tensor], src: int = 0) -> None:
         dist.broadcast(buf, src=src)
         with torch.no_grad():
             t.copy_(buf.to(t.device))
+
+
+def broadcast_json(value: Any, src: int = 0) -> Any:
+    """Rank ``src``'s ``value`` (JSON-serialisable; what the other ranks pass is ignored) on every rank."""
+    if not is_distributed():
+        return value
+    device = _device()
+    data = json.dumps(value).encode() if rank() == src else b""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=src)
+    buf = torch.zeros(int(size.item()), dtype=torch.uint8, device=device)
+    if rank() == src:
+        buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    dist.broadcast(buf, src=src)
+    return json.loads(buf.cpu().numpy().tobytes().decode())

@@ -29,7 +29,7 @@ from torch import nn
 
 from .comm import all_ranks_succeed
 
-__all__ = ["is_sharded", "shard_frozen", "weight_access"]
+__all__ = ["is_sharded", "shard_frozen", "unsharded_class", "weight_access"]
 
 _STATE = threading.local()
 
@@ -46,6 +46,15 @@ def is_sharded(module: nn.Module) -> bool:
     """Whether any parameter of ``module`` is a DTensor (FSDP2-sharded)."""
     dtensor = _dtensor_type()
     return dtensor is not None and any(isinstance(p, dtensor) for p in module.parameters())
+
+
+def unsharded_class(module: nn.Module) -> type:
+    """The class ``module`` had before ``fully_shard`` (which swaps in a subclass named ``FSDP<Class>``)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch built without distributed
+        return type(module)
+    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
 
 
 @contextmanager

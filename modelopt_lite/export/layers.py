@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..distributed import weight_access
 from ..logging import get_logger
 from ..moe import QuantExperts
 from ..nn import QuantAttention, QuantLinear, SequentialQuantizer, TensorQuantizer
@@ -23,9 +24,11 @@ from ..nn.quant_module import Quantizer
 __all__ = [
     "SHARED_INPUT_GROUPS",
     "ExportLayer",
+    "ExportModule",
     "UnsupportedFormatError",
     "detect_format",
     "export_layers",
+    "export_plan",
     "foldable_norms",
     "kv_cache_format",
     "unify_shared_scales",
@@ -143,7 +146,9 @@ def kv_cache_format(name: str, module: nn.Module) -> str | None:
     return "FP8"
 
 
-def _experts_layers(name: str, module: QuantExperts) -> Iterator[ExportLayer]:
+def _experts_specs(name: str, module: QuantExperts) -> Iterator[tuple]:
+    """``(hub name, split, quant_algo, proj, expert, weight quantizer, input quantizer)`` per expert
+    projection; reads no weight."""
     if module.is_transposed:
         raise UnsupportedFormatError(
             f"{name}: {type(module).__name__} stores experts as (in, out); the export writes per-expert hub "
@@ -153,28 +158,62 @@ def _experts_layers(name: str, module: QuantExperts) -> Iterator[ExportLayer]:
     halves = ("gate_proj", "up_proj") if module.has_gate else None
     for proj, hub in ((first, halves or "up_proj"), (down, "down_proj")):
         iq = getattr(module, f"{proj}_input_quantizer")
-        biases = getattr(module, f"{proj}_bias", None) if module.has_bias else None
         for e, wq in enumerate(getattr(module, f"{proj}_weight_quantizers")):
             prefix = f"{name}.{e}"
             algo = detect_format(f"{name}.{proj}[{e}]", wq, iq)
-            bias = None if biases is None else biases[e]
             if isinstance(hub, tuple):
-                layer = ExportLayer(prefix, algo, module.expert_weight(proj, e), wq, iq, bias)
-                layer.split = (f"{prefix}.{hub[0]}", f"{prefix}.{hub[1]}")
+                yield prefix, (f"{prefix}.{hub[0]}", f"{prefix}.{hub[1]}"), algo, proj, e, wq, iq
             else:
-                layer = ExportLayer(f"{prefix}.{hub}", algo, module.expert_weight(proj, e), wq, iq, bias)
-            yield layer
+                yield f"{prefix}.{hub}", None, algo, proj, e, wq, iq
 
 
-def export_layers(model: nn.Module) -> tuple[list[ExportLayer], set[str]]:
-    """Every linear map of the model that the export writes itself, and the state-dict keys they replace."""
-    layers: list[ExportLayer] = []
-    replaced: set[str] = set()
+@dataclass
+class ExportModule:
+    """A module whose linear maps the export writes itself (a :class:`QuantLinear` or the fused experts of
+    one MoE block), planned without reading its weights: :meth:`layers` reads them, so under FSDP2 call it
+    inside a :func:`~modelopt_lite.distributed.weight_access` window on :attr:`module`."""
+
+    name: str
+    module: nn.Module
+    replaced: set[str]  # the state-dict keys its layers replace
+    algos: list[str | None]  # quant_algo of each layer, in the order of :meth:`layers`
+    awq: bool = False  # some layer of the model is NVFP4_AWQ: plain NVFP4 layers are written as NVFP4_AWQ
+
+    def formats(self) -> Iterator[tuple[tuple[str, ...], str | None, Quantizer]]:
+        """``(hub names, quant_algo, weight quantizer)`` per layer; reads no weight."""
+        if isinstance(self.module, QuantExperts):
+            specs = _experts_specs(self.name, self.module)
+            for (hub, split, _, _, _, wq, _), algo in zip(specs, self.algos, strict=True):
+                yield split or (hub,), algo, wq
+        else:
+            yield (self.name,), self.algos[0], self.module.weight_quantizer
+
+    def layers(self) -> list[ExportLayer]:
+        module = self.module
+        out: list[ExportLayer] = []
+        if isinstance(module, QuantExperts):
+            for hub, split, algo, proj, e, wq, iq in _experts_specs(self.name, module):
+                biases = getattr(module, f"{proj}_bias", None) if module.has_bias else None
+                bias = None if biases is None else biases[e]
+                out.append(ExportLayer(hub, algo, module.expert_weight(proj, e), wq, iq, bias, split))
+        else:
+            algo = self.algos[0]
+            w = module._weight_view()
+            out.append(ExportLayer(self.name, algo, w, module.weight_quantizer, module.input_quantizer))
+        for layer in out:
+            layer.quant_algo = "NVFP4_AWQ" if self.awq and layer.quant_algo == "NVFP4" else layer.quant_algo
+        return out
+
+
+def export_plan(model: nn.Module) -> list[ExportModule]:
+    """The modules whose linear maps the export writes itself, in ``named_modules`` order, with their
+    formats; reads no weight (safe on an FSDP2-sharded model)."""
+    plan: list[ExportModule] = []
     for name, module in model.named_modules():
         if isinstance(module, QuantExperts):
-            layers.extend(_experts_layers(name, module))
-            for proj in module._projections:
-                replaced.update({f"{name}.{proj}", f"{name}.{proj}_bias"})
+            algos = [spec[2] for spec in _experts_specs(name, module)]
+            replaced = {f"{name}.{p}" for proj in module._projections for p in (proj, f"{proj}_bias")}
+            plan.append(ExportModule(name, module, replaced, algos))
         elif isinstance(module, QuantLinear):
             if module.output_quantizer.is_enabled:
                 raise UnsupportedFormatError(
@@ -182,15 +221,20 @@ def export_layers(model: nn.Module) -> tuple[list[ExportLayer], set[str]]:
                     "has no tensor for output quantization (disable *output_quantizer)"
                 )
             algo = detect_format(name, module.weight_quantizer, module.input_quantizer)
-            if algo is None:
-                continue
-            w = module._weight_view()
-            layers.append(ExportLayer(name, algo, w, module.weight_quantizer, module.input_quantizer))
-            replaced.add(f"{name}.weight")
-    if any(layer.quant_algo == "NVFP4_AWQ" for layer in layers):  # a layer AWQ left unsmoothed is still AWQ
-        for layer in layers:
-            layer.quant_algo = "NVFP4_AWQ" if layer.quant_algo == "NVFP4" else layer.quant_algo
-    return layers, replaced
+            if algo is not None:
+                plan.append(ExportModule(name, module, {f"{name}.weight"}, [algo]))
+    awq = any(algo == "NVFP4_AWQ" for m in plan for algo in m.algos)  # a layer AWQ left unsmoothed is AWQ
+    for m in plan:
+        m.awq = awq
+        m.algos = ["NVFP4_AWQ" if awq and a == "NVFP4" else a for a in m.algos]
+    return plan
+
+
+def export_layers(model: nn.Module) -> tuple[list[ExportLayer], set[str]]:
+    """Every linear map of the model that the export writes itself, and the state-dict keys they replace
+    (reads the weights: on an FSDP2-sharded model use :func:`export_plan` and windows instead)."""
+    plan = export_plan(model)
+    return [layer for m in plan for layer in m.layers()], {k for m in plan for k in m.replaced}
 
 
 def _siblings(model: nn.Module) -> Iterator[list[QuantLinear]]:
@@ -241,15 +285,15 @@ def _fold_is_exact(norm: nn.Module, scale: torch.Tensor) -> bool:
     weight = getattr(norm, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.shape != scale.shape:
         return False
-    probe_norm = copy.deepcopy(norm).float()
+    with weight_access(norm):  # full weights under FSDP2 (a collective: every rank plans the same folds)
+        probe_norm = copy.deepcopy(norm).float()
+        reference = copy.deepcopy(norm).float()
     probe_norm.weight.data.mul_(scale.float())
     if getattr(probe_norm, "bias", None) is not None:
         probe_norm.bias.data.mul_(scale.float())
     x = torch.randn(4, scale.numel(), generator=torch.Generator().manual_seed(0)).to(weight.device)
     with torch.no_grad():
-        return torch.allclose(
-            probe_norm(x), copy.deepcopy(norm).float()(x) * scale.float(), rtol=1e-4, atol=1e-5
-        )
+        return torch.allclose(probe_norm(x), reference(x) * scale.float(), rtol=1e-4, atol=1e-5)
 
 
 def foldable_norms(model: nn.Module) -> dict[str, tuple[torch.Tensor, list[str]]]:

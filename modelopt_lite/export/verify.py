@@ -63,8 +63,9 @@ def _expected(model: nn.Module) -> tuple[dict[str, tuple[int, int]], set[str]]:
             experts = model.get_submodule(match.group(1))
             proj = match.group(2)
             ids = [int(match.group(4))] if match.group(4) is not None else range(experts.num_experts)
+            shape = tuple(getattr(experts, proj).shape[1:])  # the shape alone: no indexing into a shard
+            out_f, in_f = shape[::-1] if experts.is_transposed else shape
             for e in ids:
-                out_f, in_f = experts.expert_weight(proj, e).shape
                 for hub in _HALVES[proj]:
                     prefix = f"{match.group(1)}.{e}.{hub}"
                     if match.group(4) is not None:

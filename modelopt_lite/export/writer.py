@@ -1,7 +1,14 @@
 """``export_hf_checkpoint``: a quantized model as a deployable Hugging Face checkpoint (``quant_method:
 "modelopt"``): real quantized tensors in (sharded) safetensors, ``config.json`` with ``quantization_config``,
 ``hf_quant_config.json``, the tokenizer when given. Everything is written into a temporary sibling directory,
-verified, and renamed into place, so a failed export leaves nothing behind."""
+verified, and renamed into place, so a failed export leaves nothing behind.
+
+The tensors are produced one module at a time, in state-dict order, and written as they come
+(:class:`~.shards.ShardWriter`): the export holds one module's tensors and one output shard, never the
+whole model. On an FSDP2-sharded model every rank calls the export: each quantized module is gathered
+through a :func:`~modelopt_lite.distributed.weight_access` window, every other sharded tensor (embeddings,
+norms, ``lm_head``) by ``DTensor.full_tensor()``, one at a time; every rank computes, rank 0 writes, and
+all ranks agree after each step, so an error on one rank raises on all of them instead of hanging."""
 
 from __future__ import annotations
 
@@ -11,21 +18,31 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..distributed import is_sharded
-from ..logging import get_logger, get_rank
+from ..distributed import (
+    all_ranks_succeed,
+    broadcast_json,
+    is_distributed,
+    is_sharded,
+    rank,
+    unsharded_class,
+    weight_access,
+)
+from ..logging import get_logger
 from ..nn import iter_quantizers
 from .hf_config import hf_quant_config, quantization_config
-from .layers import ExportLayer, export_layers, foldable_norms, kv_layers, unify_shared_scales
+from .layers import ExportLayer, ExportModule, export_plan, foldable_norms, kv_layers, unify_shared_scales
 from .packers import get_packer, scale_of_amax
+from .shards import ShardWriter
 from .verify import verify_export
 
 __all__ = ["ExportResult", "export_hf_checkpoint", "parse_size"]
@@ -99,51 +116,93 @@ def _layer_tensors(layer: ExportLayer, folded: set[str], dtype: torch.dtype) -> 
     return out
 
 
-def _build_state_dict(model: nn.Module, dtype: torch.dtype | None):
-    layers, replaced = export_layers(model)
-    if not any(layer.quant_algo for layer in layers):
+def _together(what: str, collective: bool) -> AbstractContextManager[None]:
+    """Under FSDP2, a block every rank finishes before any goes on (see ``all_ranks_succeed``)."""
+    return all_ranks_succeed(what) if collective else nullcontext()
+
+
+def _plan(model: nn.Module) -> tuple[list[ExportModule], dict[str, str], dict[str, int | None]]:
+    """The modules to write, ``{hub name: quant_algo}`` and ``{quant_algo: group size}``; reads no weight."""
+    plan = export_plan(model)
+    quantized: dict[str, str] = {}
+    groups: dict[str, int | None] = {}
+    for m in plan:
+        for names, algo, wq in m.formats():
+            if algo is not None:
+                quantized.update(dict.fromkeys(names, algo))
+                groups[algo] = get_packer(algo).group_size(wq)
+    if not quantized:
         raise ValueError(
             "the model has quantizers but no enabled weight quantizer: nothing would be stored quantized. "
             "Check the config's rules (mtq.print_quant_summary(model))"
         )
-    unify_shared_scales(model)
-    norms = foldable_norms(model)
+    return plan, quantized, groups
+
+
+def _ident(value: torch.Tensor) -> tuple:
+    """What tied tensors share: the parameter itself under FSDP2 (the same on every rank), else storage."""
+    if hasattr(value, "full_tensor"):  # DTensor
+        return ("dtensor", id(value))
+    return (value.data_ptr(), value.shape, value.stride(), value.dtype)
+
+
+def _stream_tensors(
+    model: nn.Module,
+    plan: list[ExportModule],
+    norms: dict[str, tuple[torch.Tensor, list[str]]],
+    kv_attention: list[tuple[str, nn.Module]],
+    dtype: torch.dtype | None,
+    emit: Callable[[dict[str, torch.Tensor]], None],
+    collective: bool,
+) -> None:
+    """Produce the checkpoint's tensors unit by unit (one planned module, or one other state-dict tensor)
+    in state-dict order and pass each unit's tensors to ``emit``; KV-cache scales come last."""
     folded = {name for _, names in norms.values() for name in names}
-    state: dict[str, torch.Tensor] = {}
+    norm_scales = {f"{n}.{part}": scale for n, (scale, _) in norms.items() for part in ("weight", "bias")}
+    model_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    owners = {key: m for m in plan for key in m.replaced}
+    pending = {id(m): m for m in plan}
     seen: dict[tuple, str] = {}
-    for key, value in model.state_dict().items():
-        if _is_quantizer_key(key) or key in replaced:
+
+    def write_module(m: ExportModule) -> None:
+        with _together(f"export: {m.name}", collective):
+            with weight_access(m.module):  # full weights under FSDP2 (a collective)
+                tensors: dict[str, torch.Tensor] = {}
+                for layer in m.layers():
+                    tensors.update(_layer_tensors(layer, folded, dtype or model_dtype))
+            emit(tensors)
+
+    state = model.state_dict(keep_vars=True)  # under FSDP2: the shards (DTensors), nothing gathered
+    show = rank() == 0 and logger.isEnabledFor(logging.INFO)
+    for key, value in tqdm(state.items(), desc="export: packing", disable=not show, leave=False):
+        if _is_quantizer_key(key):
             continue
-        ident = (value.data_ptr(), value.shape, value.stride(), value.dtype)
+        owner = owners.get(key)
+        if owner is not None:
+            if pending.pop(id(owner), None) is not None:
+                write_module(owner)
+            continue
+        ident = _ident(value)
         if value.numel() and ident in seen:  # tied weights: transformers re-ties them from the config
             logger.debug("export: %s is tied to %s; written once", key, seen[ident])
             continue
         seen[ident] = key
-        state[key] = value.detach().to(dtype) if dtype is not None and value.is_floating_point() else value
-    for norm, (scale, _) in norms.items():
-        for part in ("weight", "bias"):
-            key = f"{norm}.{part}"
-            if key in state:
-                state[key] = (state[key].float() * scale.to(state[key].device)).to(state[key].dtype)
-    model_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    quantized: dict[str, str] = {}
-    show = get_rank() == 0 and logger.isEnabledFor(logging.INFO)
-    for layer in tqdm(layers, desc="export: packing", disable=not show, leave=False):
-        tensors = _layer_tensors(layer, folded, dtype or model_dtype)
-        state.update(tensors)
-        if layer.quant_algo is not None:
-            for name in layer.split or (layer.name,):
-                quantized[name] = layer.quant_algo
-    kv = False
-    for name, attn in kv_layers(model):
-        kv = True
-        state[f"{name}.k_proj.k_scale"] = scale_of_amax(attn.k_bmm_quantizer.amax.reshape(()), 448.0)
-        state[f"{name}.v_proj.v_scale"] = scale_of_amax(attn.v_bmm_quantizer.amax.reshape(()), 448.0)
-    if norms:
-        logger.info("export: pre_quant_scale folded into %d norm(s) (%s, ...)", len(norms), next(iter(norms)))
-    groups = {layer.quant_algo: get_packer(layer.quant_algo).group_size(layer.weight_quantizer)
-              for layer in layers if layer.quant_algo}  # fmt: skip
-    return state, quantized, groups, "FP8" if kv else None
+        with _together(f"export: {key}", collective):
+            t = value.full_tensor() if hasattr(value, "full_tensor") else value  # gathered (a collective)
+            t = t.detach().to(dtype) if dtype is not None and t.is_floating_point() else t.detach()
+            if key in norm_scales:
+                t = (t.float() * norm_scales[key].to(t.device)).to(t.dtype)
+            emit({key: t})
+    for m in plan:  # modules whose keys a state-dict hook renamed: written all the same
+        if pending.pop(id(m), None) is not None:
+            write_module(m)
+    kv = {}
+    for name, attn in kv_attention:
+        kv[f"{name}.k_proj.k_scale"] = scale_of_amax(attn.k_bmm_quantizer.amax.reshape(()), 448.0)
+        kv[f"{name}.v_proj.v_scale"] = scale_of_amax(attn.v_bmm_quantizer.amax.reshape(()), 448.0)
+    if kv:
+        with _together("export: KV-cache scales", collective):
+            emit(kv)
 
 
 def _excluded(model: nn.Module, quantized: dict[str, str]) -> list[str]:
@@ -160,31 +219,6 @@ def _excluded(model: nn.Module, quantized: dict[str, str]) -> list[str]:
             if not any(q.startswith(f"{name}.") for q in quantized):
                 out.append(name)
     return out
-
-
-def _write_shards(state: dict[str, torch.Tensor], tmp: Path, max_bytes: int) -> list[str]:
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for key in sorted(state):
-        t = state[key].detach().contiguous().cpu()
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > max_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][key] = t
-        size += nbytes
-    if len(shards) == 1:
-        save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        return ["model.safetensors"]
-    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    weight_map = {}
-    for name, shard in zip(names, shards, strict=True):
-        save_file(shard, str(tmp / name), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, name))
-    total = sum(t.numel() * t.element_size() for t in state.values())
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    return [*names, "model.safetensors.index.json"]
 
 
 def _check_target(export_dir: Path, overwrite: bool) -> None:
@@ -226,6 +260,11 @@ def export_hf_checkpoint(
     q/k/v and gate/up quantizers are raised to their group's amax first (in place; see
     :func:`~modelopt_lite.export.layers.unify_shared_scales`). With ``verify`` (default) the written files are
     read back and checked (:func:`~modelopt_lite.export.verify.verify_export`) before the directory appears.
+
+    On an FSDP2-sharded model call it on every rank with the same arguments: the weights are gathered one
+    module at a time, rank 0 writes, and every rank returns the same :class:`ExportResult`. (A model that is
+    not sharded, e.g. under DDP, is exported by whichever process calls this, with no collective: call it
+    from one rank.)
     """
     export_dir = Path(export_dir)
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
@@ -236,40 +275,73 @@ def export_hf_checkpoint(
             "the model is not quantized (it has no quantizers): call "
             "mtq.quantize(model, config, forward_loop) before export_hf_checkpoint"
         )
-    if is_sharded(model):
-        raise NotImplementedError(
-            "export_hf_checkpoint on an FSDP2-sharded model is not supported yet: save it with "
-            "trainer.save_model (FSDP state_dict_type FULL_STATE_DICT), restore it in one process with "
-            "mto.restore(model, directory) and export there"
-        )
-    _check_target(export_dir, overwrite)
-    state, quantized, groups, kv_algo = _build_state_dict(model, dtype)
-    hf_cfg = hf_quant_config(
-        {n: (a, groups[a]) for n, a in quantized.items()}, _excluded(model, quantized), kv_algo
-    )
-    export_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{export_dir.name}.", suffix=".tmp", dir=export_dir.parent))
+    collective = is_distributed() and is_sharded(model)  # every rank must call; rank 0 writes
+    writes = not collective or rank() == 0
+    tmp: Path | None = None
+    with _together("export_hf_checkpoint: preparing the directory", collective):
+        if writes:
+            _check_target(export_dir, overwrite)
+            export_dir.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{export_dir.name}.", suffix=".tmp", dir=export_dir.parent))
     try:
-        _write_shards(state, tmp, max_bytes)
-        config = model.config.to_dict()
-        config["architectures"] = config.get("architectures") or [type(model).__name__]
-        config["quantization_config"] = quantization_config(hf_cfg)
-        if dtype is not None:
-            config["dtype"] = str(dtype).removeprefix("torch.")
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        (tmp / "hf_quant_config.json").write_text(json.dumps(hf_cfg, indent=4) + "\n")
-        generation = getattr(model, "generation_config", None)
-        if generation is not None and getattr(model, "can_generate", lambda: False)():
-            generation.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        ratios = verify_export(model, tmp) if verify else {}
-        _move_into_place(tmp, export_dir)
+        with _together("export_hf_checkpoint: planning", collective):
+            plan, quantized, groups = _plan(model)
+            kv_attention = list(kv_layers(model))
+            hf_cfg = hf_quant_config(
+                {n: (a, groups[a]) for n, a in quantized.items()},
+                _excluded(model, quantized),
+                "FP8" if kv_attention else None,
+            )
+            unify_shared_scales(model)
+            norms = foldable_norms(model)  # gathers each candidate norm (collectives, the same on every rank)
+        if norms:
+            first = next(iter(norms))
+            logger.info("export: pre_quant_scale folded into %d norm(s) (%s, ...)", len(norms), first)
+        shards = ShardWriter(tmp, max_bytes) if tmp is not None else None
+        emit = shards.add if shards is not None else (lambda _: None)  # ranks > 0 compute, rank 0 writes
+        _stream_tensors(model, plan, norms, kv_attention, dtype, emit, collective)
+        facts: dict[str, Any] = {}
+        with _together("export_hf_checkpoint: writing the checkpoint", collective):
+            if tmp is not None and shards is not None:
+                facts = _finish(model, tmp, export_dir, shards, hf_cfg, dtype, tokenizer, verify)
+                tmp = None  # moved into place
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if collective:
+        facts = broadcast_json(facts)
+    summary = ", ".join(f"{a} {r:.3f}x of bf16" for a, r in sorted(facts["ratios"].items()))
+    logger.info("exported %d quantized layer(s) to %s (%.2f MB; %s)", len(quantized), export_dir,
+                facts["total"] / 1e6, summary or "not verified")  # fmt: skip
+    return ExportResult(export_dir, facts["files"], hf_cfg, quantized, facts["total"], facts["ratios"])
+
+
+def _finish(
+    model: nn.Module,
+    tmp: Path,
+    export_dir: Path,
+    shards: ShardWriter,
+    hf_cfg: dict[str, Any],
+    dtype: torch.dtype | None,
+    tokenizer: Any,
+    verify: bool,
+) -> dict[str, Any]:
+    """Close the shards, write the configs (and the tokenizer), verify, move into place."""
+    shards.close()
+    config = model.config.to_dict()
+    config["architectures"] = config.get("architectures") or [unsharded_class(model).__name__]
+    config["quantization_config"] = quantization_config(hf_cfg)
+    if dtype is not None:
+        config["dtype"] = str(dtype).removeprefix("torch.")
+    (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    (tmp / "hf_quant_config.json").write_text(json.dumps(hf_cfg, indent=4) + "\n")
+    generation = getattr(model, "generation_config", None)
+    if generation is not None and getattr(model, "can_generate", lambda: False)():
+        generation.save_pretrained(tmp)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    ratios = verify_export(model, tmp) if verify else {}
+    _move_into_place(tmp, export_dir)
     total = sum(f.stat().st_size for f in export_dir.iterdir() if f.is_file())
-    summary = ", ".join(f"{a} {r:.3f}x of bf16" for a, r in sorted(ratios.items()))
-    logger.info("exported %d quantized layer(s) to %s (%.2f MB; %s)", len(quantized), export_dir, total / 1e6,
-                summary or "not verified")  # fmt: skip
-    return ExportResult(export_dir, sorted(os.listdir(export_dir)), hf_cfg, quantized, total, ratios)
+    return {"files": sorted(os.listdir(export_dir)), "total": total, "ratios": ratios}

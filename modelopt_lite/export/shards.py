@@ -1,0 +1,70 @@
+"""Safetensors shards written as the tensors arrive: :class:`ShardWriter` holds at most one shard in memory,
+so an export never keeps the whole packed model (let alone the unpacked one) at once.
+
+Tensors go into the current shard in the order they are added; a tensor that would take the shard past
+``max_bytes`` starts the next one (a tensor larger than ``max_bytes`` gets a shard of its own). Full shards
+are saved under provisional names; :meth:`ShardWriter.close` renames them ``model.safetensors`` (one shard)
+or ``model-0000i-of-0000N.safetensors`` with a ``model.safetensors.index.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+__all__ = ["ShardWriter"]
+
+
+class ShardWriter:
+    """Collect tensors for ``directory`` and save a shard each time it reaches ``max_bytes``."""
+
+    def __init__(self, directory: Path, max_bytes: int):
+        self.directory = Path(directory)
+        self.max_bytes = max_bytes
+        self._shard: dict[str, torch.Tensor] = {}
+        self._size = 0
+        self._parts: list[tuple[str, list[str]]] = []  # (provisional file name, its keys)
+        self._keys: set[str] = set()
+        self.total_bytes = 0
+        self.peak_bytes = 0  # the most bytes held in memory by one shard (for tests and benchmarks)
+
+    def add(self, tensors: dict[str, torch.Tensor]) -> None:
+        for key, tensor in tensors.items():
+            if key in self._keys:
+                raise RuntimeError(f"export: the tensor {key} was written twice (a bug in the export)")
+            self._keys.add(key)
+            t = tensor.detach().contiguous().cpu()
+            nbytes = t.numel() * t.element_size()
+            if self._shard and self._size + nbytes > self.max_bytes:
+                self._flush()
+            self._shard[key] = t
+            self._size += nbytes
+            self.total_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self._size)
+
+    def _flush(self) -> None:
+        name = f"part-{len(self._parts) + 1:05d}.safetensors"
+        save_file(self._shard, str(self.directory / name), metadata={"format": "pt"})
+        self._parts.append((name, list(self._shard)))
+        self._shard, self._size = {}, 0
+
+    def close(self) -> list[str]:
+        """Save the last shard, give every shard its final name, write the index; the file names."""
+        if self._shard or not self._parts:
+            self._flush()
+        if len(self._parts) == 1:
+            os.replace(self.directory / self._parts[0][0], self.directory / "model.safetensors")
+            return ["model.safetensors"]
+        count = len(self._parts)
+        names = [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+        weight_map = {}
+        for name, (part, keys) in zip(names, self._parts, strict=True):
+            os.replace(self.directory / part, self.directory / name)
+            weight_map.update(dict.fromkeys(keys, name))
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        return [*names, "model.safetensors.index.json"]

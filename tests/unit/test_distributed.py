@@ -86,9 +86,6 @@ def test_bad_input_fails_on_every_rank_without_hanging(tmp_path):
         ), o
         assert o["restored"] == "DTensor"
         assert o["calibrated_after"]
-        assert o["export"].startswith(
-            "NotImplementedError: export_hf_checkpoint on an FSDP2-sharded model"
-        ), o
         assert "differ between ranks 0 and 1" in o["mismatched_quantizers"], o
         assert "only on rank 1: ['model.layers.2." in o["mismatched_quantizers"], o
     assert outcomes[1]["one_rank_raises"] == "ValueError: rank 1 failed inside the window"

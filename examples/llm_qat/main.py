@@ -27,6 +27,8 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, TrainingArguments
 
+from modelopt_lite.distributed import is_sharded
+from modelopt_lite.export import export_hf_checkpoint
 from modelopt_lite.logging import get_logger
 from modelopt_lite.training import DistillationArguments, QADTrainer, QATTrainer, QuantizationArguments
 
@@ -191,30 +193,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         * (training.gradient_accumulation_steps * training.world_size * data.seq_len)
     )
     trainer.save_model()
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    export_dir = Path(training.output_dir) / "export"
+    # A sharded (FSDP2) model is exported by every rank (one module gathered at a time, rank 0 writes);
+    # replicas (one process, DDP) by the main process alone.
+    if is_sharded(model) or trainer.is_world_process_zero():
+        exported = export_hf_checkpoint(model, export_dir, tokenizer=tokenizer, overwrite=True)
     if trainer.is_world_process_zero():
-        results.update(
-            export_and_reload(
-                trainer.accelerator.unwrap_model(trainer.model),
-                tokenizer,
-                Path(training.output_dir) / "export",
-                eval_set,
-            )
-        )
+        reloaded = AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32)
+        results["export_dir"] = str(export_dir)
+        results["export_mb"] = round(exported.total_bytes / 1e6, 3)
+        results["ppl_exported_weights"] = perplexity(reloaded, eval_set)
         logger.info("results: %s", json.dumps(results, indent=1))
         (Path(training.output_dir) / "results.json").write_text(json.dumps(results, indent=1))
     return results
-
-
-def export_and_reload(model: Any, tokenizer: Any, export_dir: Path, eval_set: TokenWindows) -> dict[str, Any]:
-    from modelopt_lite.export import export_hf_checkpoint
-
-    result = export_hf_checkpoint(model, export_dir, tokenizer=tokenizer, overwrite=True)
-    reloaded = AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32)
-    return {
-        "export_dir": str(export_dir),
-        "export_mb": round(result.total_bytes / 1e6, 3),
-        "ppl_exported_weights": perplexity(reloaded, eval_set),
-    }
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-__all__ = ["ShardWriter"]
+__all__ = ["ShardWriter", "umask"]
 
 
 class ShardWriter:
@@ -49,6 +49,7 @@ class ShardWriter:
     def _flush(self) -> None:
         name = f"part-{len(self._parts) + 1:05d}.safetensors"
         save_file(self._shard, str(self.directory / name), metadata={"format": "pt"})
+        (self.directory / name).chmod(0o666 & ~umask())  # safetensors writes 0600
         self._parts.append((name, list(self._shard)))
         self._shard, self._size = {}, 0
 
@@ -68,3 +69,10 @@ class ShardWriter:
         index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
         (self.directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         return [*names, "model.safetensors.index.json"]
+
+
+def umask() -> int:
+    """The process umask (read without changing it for longer than the call)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

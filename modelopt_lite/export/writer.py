@@ -42,7 +42,7 @@ from ..nn import iter_quantizers
 from .hf_config import hf_quant_config, quantization_config
 from .layers import ExportLayer, ExportModule, export_plan, foldable_norms, kv_layers, unify_shared_scales
 from .packers import get_packer, scale_of_amax
-from .shards import ShardWriter
+from .shards import ShardWriter, umask
 from .verify import verify_export
 
 __all__ = ["ExportResult", "export_hf_checkpoint", "parse_size"]
@@ -283,6 +283,7 @@ def export_hf_checkpoint(
             _check_target(export_dir, overwrite)
             export_dir.parent.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix=f".{export_dir.name}.", suffix=".tmp", dir=export_dir.parent))
+            tmp.chmod(0o777 & ~umask())  # mkdtemp makes it 0700; the export is an ordinary directory
     try:
         with _together("export_hf_checkpoint: planning", collective):
             plan, quantized, groups = _plan(model)

@@ -214,3 +214,26 @@ def test_loader_needs_a_valid_hf_quant_config(tmp_path, nvfp4_llama):
     (d / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="quant_algo"):
         AutoModelForCausalLM.from_pretrained(d)
+
+
+def test_export_gets_ordinary_permissions(tmp_path):
+    """mkdtemp makes 0700 and safetensors 0600: the published checkpoint follows the umask like any file."""
+    import os
+    import stat
+
+    import torch
+
+    import modelopt_lite.quantization as mtq
+    from modelopt_lite.export import export_hf_checkpoint
+
+    from ._models import tiny_llama
+
+    model = tiny_llama()
+    mtq.quantize(model, "FP8_DEFAULT_CFG", [torch.randint(0, 128, (2, 8))])
+    old = os.umask(0o022)
+    try:
+        export_hf_checkpoint(model, tmp_path / "out", max_shard_size="100KB")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "out").stat().st_mode) == 0o755
+    assert {stat.S_IMODE(f.stat().st_mode) for f in (tmp_path / "out").iterdir()} == {0o644}

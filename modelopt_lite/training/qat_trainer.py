@@ -25,7 +25,8 @@ from accelerate.utils import DistributedType
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
-from ..distributed import rank, world_size
+from ..distributed import all_ranks_succeed, is_sharded, rank, unsharded_class, world_size
+from ..export.shards import ShardWriter
 from ..logging import get_logger
 from ..opt.checkpoint import STATE_FILE
 from ..opt.hf import attached
@@ -39,6 +40,7 @@ from .gc_policy import GCPolicy
 __all__ = ["QATTrainer"]
 
 logger = get_logger(__name__)
+_SAVE_SHARD_BYTES = 2 * 2**30
 
 
 class _GCCallback(TrainerCallback):
@@ -191,6 +193,9 @@ class QATTrainer(Trainer):
         if quant_state(model) is None:
             super().save_model(output_dir, _internal_call)
             return
+        if is_sharded(model) and not _internal_call:
+            self._save_gathered(model, Path(output_dir or self.args.output_dir))
+            return
         with attached(model):
             super().save_model(output_dir, _internal_call)
         if self.args.should_save:
@@ -198,6 +203,35 @@ class QATTrainer(Trainer):
             output.mkdir(parents=True, exist_ok=True)  # FSDP's sharded save writes the model elsewhere
             state = {"recipe": self.quant_args.recipe, "modelopt_state": modelopt_state(model)}
             (output / STATE_FILE).write_text(json.dumps(state, indent=1))
+
+    def _save_gathered(self, model: torch.nn.Module, output: Path) -> None:
+        """``save_model`` of an FSDP2-sharded model: a ``from_pretrained`` directory written by rank 0 from
+        full tensors gathered one at a time (every rank takes part in each gather), streamed into safetensors
+        shards of at most ``_SAVE_SHARD_BYTES``, so no rank ever holds the whole model."""
+        writes = self.args.should_save
+        with all_ranks_succeed("save_model of the sharded model"):
+            if writes:
+                output.mkdir(parents=True, exist_ok=True)
+            shards = ShardWriter(output, _SAVE_SHARD_BYTES) if writes else None
+            seen: set[int] = set()
+            for key, value in model.state_dict(keep_vars=True).items():
+                if id(value) in seen:  # a tied weight (lm_head = embeddings) is saved once
+                    continue
+                seen.add(id(value))
+                full = value.full_tensor() if hasattr(value, "full_tensor") else value
+                if shards is not None:
+                    shards.add({key: full.detach()})
+            if shards is not None:
+                shards.close()
+                if not getattr(model.config, "architectures", None):  # as save_pretrained would set it
+                    model.config.architectures = [unsharded_class(model).__name__]
+                with attached(model):
+                    model.config.save_pretrained(output)
+                state = {"recipe": self.quant_args.recipe, "modelopt_state": modelopt_state(model)}
+                (output / STATE_FILE).write_text(json.dumps(state, indent=1))
+                if self.processing_class is not None:
+                    self.processing_class.save_pretrained(output)
+        logger.info("saved the sharded model to %s (gathered one tensor at a time)", output)
 
     # -- the loop ----------------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):

@@ -199,6 +199,14 @@ def qat_fsdp2(kind: str, out: Path, rank: int) -> None:
         result = {"losses": step_losses(trainer), "teacher": type(teacher_weight).__name__}
         (out / f"qad_{rank}.json").write_text(json.dumps(result))
         return
+    if mode == "save":
+        trainer = FSDP2OnCPU(**common)
+        trainer.train()
+        trainer.save_model(str(out / "final"))
+        state = full_state(trainer.model)
+        if rank == 0:
+            save_file(state, str(out / "gathered.safetensors"))
+        return
     resume = mode == "resume"
     trainer = FSDP2OnCPU(**common)
     trainer.train(resume_from_checkpoint=str(out / "checkpoint-3") if resume else None)

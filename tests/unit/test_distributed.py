@@ -141,3 +141,21 @@ def test_qad_under_fsdp2_shards_the_teacher(tmp_path):
         assert len(result["losses"]) == 3
         assert all(0 < loss < 100 for loss in result["losses"])
     assert results[0]["losses"] == results[1]["losses"]  # logged losses are averaged over the ranks
+
+
+def test_save_model_of_an_fsdp2_model_is_restorable_in_one_process(tmp_path):
+    import modelopt_lite.opt as mto
+    from modelopt_lite.opt.checkpoint import STATE_FILE
+
+    _torchrun("qat_fsdp2", "2:save", tmp_path)
+    final = tmp_path / "final"
+    assert (final / STATE_FILE).is_file()
+    assert (
+        json.loads((final / "config.json").read_text())["quantization_config"]["quant_method"]
+        == "modelopt_lite"
+    )
+    gathered = load_file(str(tmp_path / "gathered.safetensors"))
+    restored = mto.restore(MODELS["llama"](seed=7), final)
+    state = full_state(restored)
+    assert state.keys() == gathered.keys()
+    assert all(torch.equal(state[k], gathered[k]) for k in state)

@@ -1,0 +1,311 @@
+"""Peak memory and step time of QAD training steps: chunked vs unchunked distillation loss, 32k vocabulary.
+
+    OMP_NUM_THREADS=2 python benchmarks/qad_memory.py [--steps 2] [--repeats 2] [--quick] [--json out.json]
+
+Model: ``LlamaForCausalLM`` from a config (hidden 256, intermediate 688, 2 layers, 4 heads / 2 KV heads,
+vocab 32768, untied ``lm_head``), fp32, ``torch.manual_seed(0)``; the teacher is an unquantized deep copy of
+it taken before quantization. Data: random ``input_ids`` 4x512 (fixed generator), ``labels`` =
+``input_ids``. ``TrainingArguments``: batch 4, AdamW lr 1e-4, ``use_cpu=True``, ``report_to=[]``,
+``save_strategy="no"``, seed 0, ``max_steps = 1 + --steps``. Recipe ``--recipe`` (default
+``NVFP4_DEFAULT_CFG``; ``lm_head`` stays unquantized), calibrated on the first 4 train samples.
+
+Modes, each ``train()`` in a fresh process:
+
+* ``chunked``: ``QADTrainer`` with ``DistillationArguments(distill_chunk_size=--chunk)`` (default 256 tokens:
+  the 4x511 predicted positions in 8 chunks; each chunk's fp32 logits are 256x32768x4 B = 32 MiB per model);
+* ``unchunked``: the same with ``distill_chunk_size = 4*512``, at least all predicted tokens, so the one
+  chunk holds the full fp32 logits of both models (2044x32768x4 B = 255.5 MiB each, plus their
+  log-softmaxes and, in backward, their gradients);
+* ``QAT (no teacher)``: a plain ``QATTrainer`` step, the model's own cross-entropy on its full logits.
+
+Measured with a ``TrainerCallback``: the first optimizer step is a warm-up (it creates the AdamW state and
+the one-time buffers). At ``on_step_begin`` of the second step the callback runs ``gc.collect()`` and
+glibc's ``malloc_trim(0)``, resets the peak-RSS mark by writing ``5`` to ``/proc/self/clear_refs`` and takes
+the baseline = VmRSS (model, teacher, quantizers, optimizer state); after the last step, the peak increase =
+VmHWM - baseline, i.e. the working memory of ``--steps`` training steps (forward, loss, backward, optimizer
+step). When the kernel refuses the reset the baseline is VmHWM so far, which includes the warm-up step, and
+the increase reads ~0 (the table says which method ran). Children run with ``MALLOC_MMAP_THRESHOLD_=131072``
+(``--mmap-threshold``) so that freed MB-sized temporaries leave the heap and VmHWM follows the live memory
+(see ``benchmarks/moe.py``). Step time: ``time.perf_counter()`` from ``on_step_begin`` to ``on_step_end`` of
+the measured steps (min and median over all steps of all repeats).
+
+Reported: per mode the median over ``--repeats`` processes of the peak increase in MB, and the ratios
+chunked / unchunked and chunked / QAT. Before each child the parent waits (``--max-wait``) for other
+processes to keep at most ``--max-other-load`` cores busy; a child disturbed during its measured steps is
+flagged ``loaded`` (peak memory does not depend on load, so it is not rerun).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+from calibrate import _busy_cpu_seconds  # sibling benchmark (stdlib only)
+
+BATCH, SEQ, VOCAB, CALIB_SAMPLES = 4, 512, 32768, 4
+MODEL = dict(
+    hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    vocab_size=VOCAB, max_position_embeddings=SEQ, tie_word_embeddings=False,
+)  # fmt: skip
+MODES = ["chunked", "unchunked", "qat"]
+LABELS = {"chunked": "QAD, chunked KL", "unchunked": "QAD, unchunked KL", "qat": "QAT (no teacher)"}
+
+
+# ----------------------------------------------------------------------------------------------- child
+
+
+def _status_mb(key: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 1024
+    raise KeyError(key)
+
+
+def _malloc_trim() -> None:
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc
+
+
+def _child(mode: str, recipe: str, chunk: int, threads: int, steps: int) -> dict:
+    import copy
+    import gc
+    import tempfile
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback, TrainingArguments
+
+    from modelopt_lite.training import DistillationArguments, QADTrainer, QATTrainer, QuantizationArguments
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**MODEL)).float()
+    gen = torch.Generator().manual_seed(1234)
+    ids = torch.randint(0, VOCAB, (BATCH * (1 + steps), SEQ), generator=gen)
+    data = [{"input_ids": row, "labels": row} for row in ids]
+
+    class Probe(TrainerCallback):
+        def __init__(self) -> None:
+            self.step, self.start, self.times = 0, 0.0, []
+            self.method, self.before, self.window = "", 0.0, None
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if self.step == 1:  # after the warm-up step: baseline
+                gc.collect()
+                _malloc_trim()
+                try:
+                    with open("/proc/self/clear_refs", "w") as f:
+                        f.write("5")  # resets VmHWM to the current RSS
+                    self.method, self.before = "clear_refs", _status_mb("VmRSS")
+                except OSError:
+                    self.method, self.before = "VmHWM after warm-up step", _status_mb("VmHWM")
+                self.window = (_busy_cpu_seconds(), time.process_time(), time.perf_counter())
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            seconds = time.perf_counter() - self.start
+            if self.step >= 1:
+                self.times.append(seconds)
+            self.step += 1
+
+    probe = Probe()
+    with tempfile.TemporaryDirectory(prefix="qad_memory_") as out:
+        args = TrainingArguments(
+            output_dir=out, max_steps=1 + steps, per_device_train_batch_size=BATCH, learning_rate=1e-4,
+            report_to=[], save_strategy="no", logging_steps=1, use_cpu=True, seed=0, disable_tqdm=True,
+            dataloader_num_workers=0,
+        )  # fmt: skip
+        quant_args = QuantizationArguments(recipe=recipe, calib_size=CALIB_SAMPLES, calib_batch_size=BATCH)
+        common = dict(model=model, args=args, train_dataset=data, quant_args=quant_args)
+        size = None if mode == "qat" else chunk if mode == "chunked" else BATCH * SEQ
+        if mode == "qat":
+            trainer = QATTrainer(**common)
+        else:
+            teacher = copy.deepcopy(model)
+            distill_args = DistillationArguments(distill_chunk_size=size)
+            trainer = QADTrainer(**common, distill_args=distill_args, teacher_model=teacher)
+        trainer.add_callback(probe)
+        trainer.train()
+    peak = _status_mb("VmHWM")  # read before anything else allocates
+    end = (_busy_cpu_seconds(), time.process_time(), time.perf_counter())
+    others = float("nan")
+    if probe.window is not None and probe.window[0] is not None and end[0] is not None:
+        busy, own, wall = (e - s for e, s in zip(end, probe.window, strict=True))
+        others = max(0.0, (busy - own) / wall)
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return {
+        "method": probe.method or "no measured step", "before_mb": probe.before, "peak_mb": peak,
+        "increase_mb": peak - probe.before, "times": probe.times, "other_cores_busy": others,
+        "final_loss": losses[-1], "chunk": size,
+    }  # fmt: skip
+
+
+def _child_main(args) -> None:
+    try:
+        result = _child(args.child, args.recipe, args.chunk, args.threads, args.steps)
+    except Exception as err:
+        import traceback
+
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        result = {"error": f"{type(err).__name__}: {first}"[:300], "traceback": traceback.format_exc()}
+    print("@@RESULT " + json.dumps(result), flush=True)
+
+
+# ---------------------------------------------------------------------------------------------- parent
+
+
+def _wait_quiet(max_other: float, max_wait: float) -> None:
+    """Wait (at most ``max_wait`` s) until other processes keep <= ``max_other`` cores busy over 2 s."""
+    deadline, said = time.monotonic() + max_wait, False
+    while time.monotonic() < deadline:
+        before = _busy_cpu_seconds()
+        time.sleep(2)
+        after = _busy_cpu_seconds()
+        if before is None or after is None or (after - before) / 2 <= max_other:
+            return
+        if not said:
+            print(f"  waiting for other processes to go quiet (up to {max_wait:.0f} s)", flush=True)
+            said = True
+
+
+def _run_child(mode: str, args) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
+    if args.mmap_threshold:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
+    repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH")) if p)
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--recipe", args.recipe]
+    cmd += ["--chunk", str(args.chunk), "--threads", str(args.threads), "--steps", str(args.steps)]
+    _wait_quiet(args.max_other_load, args.max_wait)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("@@RESULT ")]
+    if not lines:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"error": f"child exited {proc.returncode}: {tail}"[:300], "traceback": proc.stderr[-4000:]}
+    res = json.loads(lines[-1][len("@@RESULT ") :])
+    if "error" not in res:
+        res["loaded"] = bool(res["other_cores_busy"] > args.max_other_load)
+    return res
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="QAD peak memory: chunked vs unchunked distillation loss")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=2, help="measured optimizer steps after 1 warm-up")
+    parser.add_argument("--repeats", type=int, default=2, help="fresh processes per mode (median kept)")
+    parser.add_argument("--chunk", type=int, default=256, help="distill_chunk_size of the chunked mode")
+    parser.add_argument("--recipe", default="NVFP4_DEFAULT_CFG", help="QuantizationArguments.recipe")
+    parser.add_argument("--quick", action="store_true", help="1 measured step, 1 process per mode")
+    parser.add_argument("--json", help="write the raw numbers here")
+    parser.add_argument("--max-other-load", type=float, default=0.25)
+    parser.add_argument("--max-wait", type=float, default=60, help="s to wait for a quiet machine per run")
+    parser.add_argument(
+        "--mmap-threshold", type=int, default=131072,
+        help="MALLOC_MMAP_THRESHOLD_ for the children (0: glibc's dynamic default)",
+    )  # fmt: skip
+    parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        _child_main(args)
+        return
+    if args.quick:
+        args.steps, args.repeats = 1, 1
+
+    logits_mb = BATCH * (SEQ - 1) * VOCAB * 4 / 2**20
+    print(
+        f"Llama (hidden 256, 2 layers, vocab {VOCAB}), fp32, {args.recipe}, batch {BATCH}x{SEQ}; threads "
+        f"{args.threads}; {args.steps} measured step(s) after 1 warm-up; {args.repeats} fresh process(es) "
+        f"per mode; one full fp32 logits tensor = {logits_mb:.1f} MB", flush=True,
+    )  # fmt: skip
+    results: dict[str, dict] = {mode: {"runs": []} for mode in MODES}
+    for _ in range(args.repeats):  # interleaved, so that drift hits every mode alike
+        for mode in MODES:
+            out = results[mode]
+            if "error" in out:
+                continue
+            res = _run_child(mode, args)
+            if "error" in res:
+                print(f"  {mode}: failed: {res['error']}", flush=True)
+                out.update(error=res["error"], traceback=res.get("traceback"))
+                continue
+            times = ", ".join(f"{t:.2f}" for t in res["times"])
+            print(
+                f"  {mode:<9}: +{res['increase_mb']:.1f} MB over {res['before_mb']:.0f} MB; {times} s/step; "
+                f"loss {res['final_loss']:.3f}; others {res['other_cores_busy']:.2f} cores", flush=True,
+            )  # fmt: skip
+            out["runs"].append(res)
+    for out in results.values():
+        if "error" in out:
+            continue
+        runs = out["runs"]
+        times = [t for r in runs for t in r["times"]]
+        out.update(
+            increase_mb=statistics.median(r["increase_mb"] for r in runs),
+            before_mb=statistics.median(r["before_mb"] for r in runs),
+            median_s=statistics.median(times), min_s=min(times), loaded_runs=sum(r["loaded"] for r in runs),
+        )  # fmt: skip
+
+    method = next((r["method"] for m in results.values() for r in m.get("runs", [])), "n/a")
+    print(
+        f"\n### Peak RSS increase of {args.steps} QAD / QAT training step(s) after a warm-up step "
+        f"(median of {args.repeats} process(es)), and seconds per step: median (min)\n"
+    )
+    print(
+        f"baseline = VmRSS after the warm-up step, gc and malloc_trim (method: {method}); "
+        f"MALLOC_MMAP_THRESHOLD_={args.mmap_threshold or 'glibc default'}\n"
+    )
+    print("| mode | chunk size | baseline RSS MB | peak increase MB | vs unchunked | s/step | vs unchunked |")
+    print("|---|---|---|---|---|---|---|")
+    ref = results["unchunked"]
+    for mode, m in results.items():
+        if "error" in m:
+            print(f"| {LABELS[mode]} | | n/a (reason: {m['error']}) | | | | |")
+            continue
+        chunk = "-" if mode == "qat" else str(m["runs"][0]["chunk"])
+        mem_ratio = time_ratio = "n/a"
+        if "error" not in ref:
+            mem_ratio = f"{m['increase_mb'] / ref['increase_mb']:.2f}x" if ref["increase_mb"] > 0 else "n/a"
+            time_ratio = f"{m['median_s'] / ref['median_s']:.2f}x"
+        flag = " (loaded)" if m["loaded_runs"] else ""
+        print(
+            f"| {LABELS[mode]} | {chunk} | {m['before_mb']:.0f} | {m['increase_mb']:.1f} | {mem_ratio} "
+            f"| {m['median_s']:.2f} ({m['min_s']:.2f}){flag} | {time_ratio} |"
+        )
+    ratios = {}
+    c, u, q = (results[k] for k in MODES)
+    if "error" not in c and "error" not in u and u["increase_mb"] > 0:
+        ratios["chunked/unchunked"] = c["increase_mb"] / u["increase_mb"]
+        saved = u["increase_mb"] - c["increase_mb"]
+        print(
+            f"\nchunked / unchunked peak increase: {ratios['chunked/unchunked']:.2f} ({c['increase_mb']:.0f} "
+            f"MB vs {u['increase_mb']:.0f} MB: {saved:.0f} MB saved = {saved / logits_mb:.1f} full logits)"
+        )
+    if "error" not in c and "error" not in q and q["increase_mb"] > 0:
+        ratios["chunked/qat"] = c["increase_mb"] / q["increase_mb"]
+        print(f"chunked QAD / plain QAT peak increase: {ratios['chunked/qat']:.2f}")
+    loaded = [mode for mode, m in results.items() if m.get("loaded_runs")]
+    if loaded:
+        print(f"\nwarning: step times disturbed by other processes: {', '.join(loaded)} (memory is not)")
+    for mode, m in results.items():
+        if "error" in m:
+            print(f"\n{mode} failed:\n{m.get('traceback') or m['error']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            meta = dict(threads=args.threads, steps=args.steps, repeats=args.repeats, chunk=args.chunk)
+            meta.update(recipe=args.recipe, mmap_threshold=args.mmap_threshold, logits_mb=logits_mb)
+            json.dump({**meta, "ratios": ratios, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,432 @@
+"""QAT training-step time through the real trainers: ``QATTrainer`` / plain ``transformers.Trainer``.
+
+    OMP_NUM_THREADS=2 python benchmarks/qat_step.py [--steps 5] [--warmup 2] [--rounds 1] [--quick] [--json F]
+
+Model: ``LlamaForCausalLM`` from a config (hidden 256, intermediate 688, 4 layers, 4 heads / 2 KV heads,
+vocab 4096), fp32, ``torch.manual_seed(0)``. Data: ``--warmup + --steps`` batches of 4x128 random
+``input_ids`` (fixed generator; ``labels`` = ``input_ids``). ``TrainingArguments`` are the same for every run:
+``max_steps = warmup + steps``, batch 4, AdamW (Trainer's default) lr 1e-4 with the linear schedule,
+``use_cpu=True``, ``report_to=[]``, ``save_strategy="no"``, ``logging_steps=1``, seed 0.
+
+Trainers, each ``train()`` in a fresh process:
+
+* ``plain``: ``transformers.Trainer`` on the unquantized model (the baseline of every ratio);
+* ``ours``: ``modelopt_lite.training.QATTrainer`` with ``QuantizationArguments(recipe=PRESET, calib_size=8,
+  calib_batch_size=4)``: it quantizes and max-calibrates on the first 8 train samples inside ``train()``,
+  before the loop; its ``training_step`` collects garbage first, and the collector is frozen after the first
+  optimizer step (the default ``manual_gc=True``);
+* ``ref``: nvidia-modelopt's ``modelopt.torch.quantization.plugins.transformers_trainer.QATTrainer`` under
+  ``--reference-python`` (default ``/work/mo_venv/bin/python``) with its
+  ``QuantizationArguments(calib_size=8)``. Its ``recipe`` argument takes only recipe YAML files
+  (``general/ptq/...``, all with KV-cache quantizers that its Hugging Face plugin cannot add with
+  transformers 5.24), so the same preset dict is
+  assigned to ``trainer.quant_cfg`` after construction -- the attribute its ``_quantize_model`` reads. It
+  quantizes and calibrates inside its first ``training_step`` (a warm-up step here) and its
+  ``training_step`` runs a full ``gc.collect()`` before every step, never freezing (``ModelOptHFTrainer``'s
+  own ``manual_gc`` collection is off by default). That interpreter has
+  no transformers / accelerate: this interpreter's copies (and whichever of their dependencies it lacks,
+  with their ``.dist-info``) are lent to it through a folder of symlinks on ``PYTHONPATH``, so both sides run
+  the same transformers, accelerate and torch. A reference that cannot be imported or fails shows as
+  ``n/a (reason: ...)`` with the exception message.
+
+Presets: ``FP8_DEFAULT_CFG``, ``NVFP4_DEFAULT_CFG``, ``INT4_BLOCKWISE_WEIGHT_ONLY_CFG``. Timed: with a
+``TrainerCallback`` added last, ``time.perf_counter()`` from ``on_step_begin`` to ``on_step_end`` of every
+optimizer step, i.e. the gc call, forward, backward, gradient clipping, ``optimizer.step()``, scheduler and
+``zero_grad`` -- not the data loading (fetched before ``on_step_begin``) nor logging (after
+``on_step_end``). The first ``--warmup`` steps are not counted. Reported per trainer: the min and median of
+the timed steps (pooled over ``--rounds`` rounds of processes, each round: plain, per preset ours and ref,
+plain again) and their ratio to the plain Trainer of the same run. A ``gc.callbacks`` hook also sums the
+time of the garbage collections inside the timed steps (the trainers' explicit ``gc.collect()`` and
+Python's automatic ones).
+
+Before each child the parent waits (``--max-wait``) until other processes keep at most ``--max-other-load``
+cores busy (``/proc/stat``); a child during whose timed steps others kept more cores busy is rerun
+(``--retries``) and, if disturbed every time, the least disturbed try is kept and flagged ``loaded``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+from calibrate import _busy_cpu_seconds  # sibling benchmark (stdlib only)
+
+CONFIGS = ["FP8_DEFAULT_CFG", "NVFP4_DEFAULT_CFG", "INT4_BLOCKWISE_WEIGHT_ONLY_CFG"]
+QUICK_CONFIGS = ["FP8_DEFAULT_CFG", "NVFP4_DEFAULT_CFG"]
+DEFAULT_REFERENCE_PYTHON = "/work/mo_venv/bin/python"
+REF_TRAINER = "modelopt.torch.quantization.plugins.transformers_trainer"
+BATCH, SEQ, VOCAB, CALIB_SAMPLES, LR = 4, 128, 4096, 8, 1e-4
+MODEL = dict(
+    hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    vocab_size=VOCAB, max_position_embeddings=256,
+)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------- child
+
+
+def _child(which: str, config: str, threads: int, warmup: int, steps: int) -> dict:
+    import copy
+    import gc
+    import tempfile
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**MODEL)).float()
+    gen = torch.Generator().manual_seed(1234)
+    ids = torch.randint(0, VOCAB, (BATCH * (warmup + steps), SEQ), generator=gen)
+    data = [{"input_ids": row, "labels": row} for row in ids]
+
+    class StepTimer(TrainerCallback):
+        """Per-step wall time, and the time of the garbage collections (explicit or automatic) inside the
+        timed steps, through ``gc.callbacks``."""
+
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self.step, self.start, self.window, self.timing = 0, 0.0, None, False
+            self.gc_start, self.gc_seconds, self.gc_runs = 0.0, 0.0, 0
+
+        def __call__(self, phase: str, info: dict) -> None:  # gc.callbacks hook
+            if phase == "start":
+                self.gc_start = time.perf_counter()
+            elif self.timing:
+                self.gc_seconds += time.perf_counter() - self.gc_start
+                self.gc_runs += 1
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if self.step == warmup:  # first timed step: start the load window
+                self.window = (_busy_cpu_seconds(), time.process_time(), time.perf_counter())
+            self.timing = self.step >= warmup
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            seconds = time.perf_counter() - self.start
+            self.timing = False
+            if self.step >= warmup:
+                self.times.append(seconds)
+            self.step += 1
+
+    timer = StepTimer()
+    gc.callbacks.append(timer)
+    with tempfile.TemporaryDirectory(prefix="qat_step_") as out:
+        args = TrainingArguments(
+            output_dir=out, max_steps=warmup + steps, per_device_train_batch_size=BATCH, learning_rate=LR,
+            report_to=[], save_strategy="no", logging_steps=1, use_cpu=True, seed=0, disable_tqdm=True,
+            dataloader_num_workers=0,
+        )  # fmt: skip
+        if which == "plain":
+            trainer = Trainer(model=model, args=args, train_dataset=data)
+        elif which == "ours":
+            from modelopt_lite.training import QATTrainer, QuantizationArguments
+
+            quant = QuantizationArguments(recipe=config, calib_size=CALIB_SAMPLES, calib_batch_size=BATCH)
+            trainer = QATTrainer(model=model, args=args, train_dataset=data, quant_args=quant)
+        else:
+            import importlib
+
+            import modelopt.torch.quantization as mtq
+
+            plugin = importlib.import_module(REF_TRAINER)
+            if not hasattr(mtq, config):
+                return {"error": f"config {config} not present in the reference library"}
+            quant_args = plugin.QuantizationArguments(calib_size=CALIB_SAMPLES)
+            trainer = plugin.QATTrainer(model=model, args=args, train_dataset=data, quant_args=quant_args)
+            trainer.quant_cfg = copy.deepcopy(getattr(mtq, config))  # what its _quantize_model reads
+        trainer.add_callback(timer)
+        start = time.perf_counter()
+        trainer.train()
+        train_s = time.perf_counter() - start
+        end = (_busy_cpu_seconds(), time.process_time(), time.perf_counter())
+    if len(timer.times) != steps:
+        return {"error": f"timed {len(timer.times)} steps, expected {steps}"}
+    others = float("nan")
+    if timer.window is not None and timer.window[0] is not None and end[0] is not None:
+        busy, own, wall = (e - s for e, s in zip(end, timer.window, strict=True))
+        others = max(0.0, (busy - own) / wall)
+    quantizers = [m for m in model.modules() if any(c.__name__ == "TensorQuantizer" for c in type(m).__mro__)]
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return {
+        "times": timer.times, "train_s": train_s, "other_cores_busy": others, "final_loss": losses[-1],
+        "quantizers": len(quantizers), "enabled_quantizers": sum(bool(q.is_enabled) for q in quantizers),
+        "torch": torch.__version__, "gc_s_per_step": timer.gc_seconds / steps,
+        "gc_runs_per_step": timer.gc_runs / steps,
+    }  # fmt: skip
+
+
+def _child_main(args) -> None:
+    try:
+        result = _child(args.child, args.config, args.threads, args.warmup, args.steps)
+    except Exception as err:
+        import traceback
+
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        result = {"error": f"{type(err).__name__}: {first}"[:300], "traceback": traceback.format_exc()}
+    print("@@RESULT " + json.dumps(result), flush=True)
+
+
+# ---------------------------------------------------------------------------------------------- parent
+
+_PROBE = f"import accelerate, transformers, {REF_TRAINER}; from transformers import TrainingArguments"
+
+
+def _probe_error(python: str, extra_path: str | None, code: str) -> str | None:
+    """None if ``code`` runs under ``python`` (``extra_path`` on PYTHONPATH), else its last error line."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env.pop("PYTHONPATH", None)
+    if extra_path:
+        env["PYTHONPATH"] = extra_path
+    cmd = [python, "-c", code]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=os.path.dirname(python), env=env)
+    return None if proc.returncode == 0 else (proc.stderr.strip().splitlines() or ["unknown error"])[-1]
+
+
+def _borrow(python: str) -> tuple[str | None, list[str], str | None]:
+    """A folder of symlinks, for the reference's PYTHONPATH, to this interpreter's packages (and their
+    ``.dist-info``, which transformers' version checks read) that the reference interpreter lacks to import
+    transformers, accelerate and its trainer plugin. Returns (folder or None, borrowed names, the error that
+    remains or None)."""
+    import atexit
+    import glob
+    import shutil
+    import tempfile
+
+    if _probe_error(python, None, _PROBE) is None:
+        return None, [], None
+    shim = tempfile.mkdtemp(prefix="qat_step_shim_")
+    atexit.register(shutil.rmtree, shim, True)  # removes the symlinks, never what they point to
+    dists = importlib.metadata.packages_distributions()
+    borrowed: list[str] = []
+    err = None
+    for _ in range(30):
+        err = _probe_error(python, shim, _PROBE)
+        if err is None:
+            return shim, borrowed, None
+        missing = re.search(r"No module named '([^'.]+)", err) or re.search(
+            r"The '([A-Za-z0-9_.\-]+?)(?:[<>=!~ ].*)?' distribution was not found", err
+        )
+        name = missing.group(1).replace("-", "_") if missing else None
+        spec = importlib.util.find_spec(name) if name else None
+        if spec is None or not spec.origin or name in borrowed:
+            break
+        src = os.path.dirname(spec.origin) if spec.submodule_search_locations else spec.origin
+        os.symlink(src, os.path.join(shim, os.path.basename(src)))
+        site = os.path.dirname(src)
+        for dist in dists.get(name, []):
+            for info in glob.glob(os.path.join(site, f"{dist.replace('-', '_')}-*.dist-info")):
+                target = os.path.join(shim, os.path.basename(info))
+                if not os.path.exists(target):
+                    os.symlink(info, target)
+        borrowed.append(name)
+    return shim, borrowed, err
+
+
+def _wait_quiet(max_other: float, max_wait: float) -> None:
+    """Wait (at most ``max_wait`` s) until other processes keep <= ``max_other`` cores busy over 2 s."""
+    deadline, said = time.monotonic() + max_wait, False
+    while time.monotonic() < deadline:
+        before = _busy_cpu_seconds()
+        time.sleep(2)
+        after = _busy_cpu_seconds()
+        if before is None or after is None or (after - before) / 2 <= max_other:
+            return
+        if not said:
+            print(f"  waiting for other processes to go quiet (up to {max_wait:.0f} s)", flush=True)
+            said = True
+
+
+def _run_child(which: str, config: str, python: str, extra_path: str | None, args) -> dict:
+    """Run one ``train()`` in a fresh process after waiting for a quiet machine; rerun while other
+    processes kept > ``--max-other-load`` cores busy during its timed steps (if every try was disturbed, the
+    least disturbed one is kept, flagged ``loaded``)."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", TOKENIZERS_PARALLELISM="false")
+    env.pop("PYTHONPATH", None)
+    if extra_path:
+        env["PYTHONPATH"] = extra_path
+    cmd = [python, os.path.abspath(__file__), "--child", which, "--config", config]
+    cmd += ["--threads", str(args.threads), "--warmup", str(args.warmup), "--steps", str(args.steps)]
+    # a neutral working directory: the reference interpreter must not pick up this checkout by accident
+    cwd = os.path.dirname(python) or None
+    best = None
+    for attempt in range(args.retries + 1):
+        _wait_quiet(args.max_other_load, args.max_wait)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("@@RESULT ")]
+        if not lines:
+            tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            err = f"child exited {proc.returncode}: {tail}"[:300]
+            return {"error": err, "traceback": proc.stderr[-4000:]}
+        res = json.loads(lines[-1][len("@@RESULT ") :])
+        if "error" in res:
+            return res
+        res["loaded"] = bool(res["other_cores_busy"] > args.max_other_load)
+        times = ", ".join(f"{t:.3f}" for t in res["times"])
+        print(
+            f"  {which:<5} {config}: {times} s/step; train() {res['train_s']:.1f} s, loss "
+            f"{res['final_loss']:.3f}, {res['enabled_quantizers']}/{res['quantizers']} quantizers on, gc "
+            f"{res['gc_s_per_step']:.3f} s/step; others {res['other_cores_busy']:.2f} cores", flush=True,
+        )  # fmt: skip
+        if not res["loaded"]:
+            return res
+        if best is None or res["other_cores_busy"] < best["other_cores_busy"]:
+            best = res
+        note = ", retrying" if attempt < args.retries else "; keeping the least disturbed (flagged loaded)"
+        print(f"  {which} {config}: disturbed{note}", flush=True)
+    return best
+
+
+def _pool(runs: list[dict]) -> dict:
+    """Merge the rounds of one (trainer, preset): the first error wins, else the pooled step times."""
+    for res in runs:
+        if "error" in res:
+            return {"error": res["error"], "traceback": res.get("traceback", "")}
+    times = [t for res in runs for t in res["times"]]
+    return {
+        "runs": runs, "median_s": statistics.median(times), "min_s": min(times),
+        "loaded_runs": sum(r["loaded"] for r in runs),
+        "enabled_quantizers": runs[0]["enabled_quantizers"], "quantizers": runs[0]["quantizers"],
+        "final_loss": statistics.median(r["final_loss"] for r in runs),
+        "gc_s_per_step": statistics.median(r["gc_s_per_step"] for r in runs),
+        "gc_runs_per_step": statistics.median(r["gc_runs_per_step"] for r in runs),
+    }  # fmt: skip
+
+
+def _details(m: dict | None) -> str:
+    if m is None or "error" in m:
+        return "n/a"
+    gc = f"gc {m['gc_s_per_step']:.3f} s/step ({m['gc_runs_per_step']:.1f} runs)"
+    return f"{m['enabled_quantizers']}/{m['quantizers']} quantizers, loss {m['final_loss']:.3f}, {gc}"
+
+
+def _cell(m: dict | None, plain: dict) -> tuple[str, str]:
+    """(``median (min)`` seconds, ratio to plain ``median (min)``) table cells."""
+    if m is None:
+        return "skipped", ""
+    if "error" in m:
+        return f"n/a (reason: {m['error']})", "n/a"
+    flag = " (loaded)" if m["loaded_runs"] else ""
+    ratio = "n/a"
+    if "error" not in plain:
+        ratio = f"{m['median_s'] / plain['median_s']:.2f}x ({m['min_s'] / plain['min_s']:.2f}x)"
+    return f"{m['median_s']:.3f} ({m['min_s']:.3f}){flag}", ratio
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="QATTrainer step time vs plain transformers.Trainer")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps per process")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps first")
+    parser.add_argument("--rounds", type=int, default=1, help="fresh processes per trainer and preset")
+    parser.add_argument("--quick", action="store_true", help="2 timed steps after 1 warm-up, FP8 and NVFP4")
+    parser.add_argument("--configs", nargs="+", help=f"subset of {CONFIGS}")
+    parser.add_argument("--json", help="write the raw numbers here")
+    parser.add_argument("--max-other-load", type=float, default=0.25)
+    parser.add_argument("--retries", type=int, default=1, help="reruns of a disturbed child")
+    parser.add_argument("--max-wait", type=float, default=120, help="s to wait for a quiet machine per run")
+    parser.add_argument(
+        "--reference-python",
+        default=DEFAULT_REFERENCE_PYTHON if os.path.exists(DEFAULT_REFERENCE_PYTHON) else None,
+        help="interpreter with nvidia-modelopt installed (reference column skipped when missing)",
+    )
+    parser.add_argument("--no-reference", action="store_true", help="skip nvidia-modelopt")
+    parser.add_argument("--child", choices=["plain", "ours", "ref"], help=argparse.SUPPRESS)
+    parser.add_argument("--config", default="none", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        _child_main(args)
+        return
+    if args.quick:
+        args.steps, args.warmup = 2, 1
+    configs = args.configs or (QUICK_CONFIGS if args.quick else CONFIGS)
+    repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    print(
+        f"tiny Llama (hidden 256, 4 layers, vocab {VOCAB}), fp32, batch {BATCH}x{SEQ}; threads "
+        f"{args.threads}; {args.steps} timed steps after {args.warmup} warm-up step(s), {args.rounds} "
+        "round(s); each train() in a fresh process", flush=True,
+    )  # fmt: skip
+    ref_python, ref_path, ref_note = args.reference_python, None, ""
+    if args.no_reference or not ref_python:
+        ref_note = "skipped (--no-reference)" if args.no_reference else "no reference python"
+    elif not os.path.exists(ref_python):
+        ref_note = f"{ref_python} does not exist"
+    else:
+        err = _probe_error(ref_python, None, "import modelopt.torch.quantization")
+        if err is not None:
+            ref_note = f"`import modelopt.torch.quantization` failed: {err}"
+        else:
+            ref_path, borrowed, err = _borrow(ref_python)
+            if err is not None:
+                ref_note = f"`import {REF_TRAINER}` (with transformers, accelerate) failed: {err}"
+            elif borrowed:
+                print(f"note: {ref_python} borrows {', '.join(borrowed)} from {sys.executable}", flush=True)
+    ref_ok = not ref_note
+    if not ref_ok:
+        print(f"note: reference: {ref_note}", flush=True)
+
+    runs: dict[tuple[str, str], list[dict]] = {}
+    for _ in range(args.rounds):
+        jobs = [("plain", "none", sys.executable, repo_root)]
+        for config in configs:
+            jobs.append(("ours", config, sys.executable, repo_root))
+            if ref_ok:
+                jobs.append(("ref", config, ref_python, ref_path))
+        jobs.append(jobs[0])  # the baseline again at the end: drift hits it like the others
+        for which, config, python, extra_path in jobs:
+            runs.setdefault((which, config), []).append(_run_child(which, config, python, extra_path, args))
+    pooled = {key: _pool(value) for key, value in runs.items()}
+    plain = pooled["plain", "none"]
+    ref_missing = {"error": ref_note} if not ref_ok else None
+
+    print(
+        f"\n### Training step time, seconds per optimizer step: median (min) of {args.steps * args.rounds} "
+        f"steps; ratio to plain `transformers.Trainer` from medians (mins)\n"
+    )
+    print("| recipe | ours s/step | ours / plain | reference s/step | reference / plain | ours / reference |")
+    print("|---|---|---|---|---|---|")
+    cell, _ = _cell(plain, plain)
+    print(f"| none (plain `Trainer`) | {cell} | 1.00x | | | |")
+    for config in configs:
+        ours = pooled["ours", config]
+        ref = pooled.get(("ref", config), ref_missing)
+        (o_cell, o_ratio), (r_cell, r_ratio) = _cell(ours, plain), _cell(ref, plain)
+        versus = "n/a"
+        if "error" not in ours and ref is not None and "error" not in ref:
+            versus = f"{ours['median_s'] / ref['median_s']:.2f}x ({ours['min_s'] / ref['min_s']:.2f}x)"
+        print(f"| {config} | {o_cell} | {o_ratio} | {r_cell} | {r_ratio} | {versus} |")
+    print("\nquantizers enabled, final loss, garbage collection inside the timed steps (s/step, runs/step):")
+    print(f"  plain Trainer: {_details(plain)}")
+    for config in configs:
+        ours, ref = _details(pooled.get(("ours", config))), _details(pooled.get(("ref", config)))
+        print(f"  {config}: ours {ours}; reference {ref}")
+    loaded = [f"{s} {c}" for (s, c), m in pooled.items() if m.get("loaded_runs")]
+    if loaded:
+        print(f"\nwarning: still disturbed by other processes after retries: {', '.join(loaded)} (inflated)")
+    torches = {r["torch"] for rs in runs.values() for r in rs if "torch" in r}
+    if len(torches) > 1:
+        print(f"\nwarning: the children ran different torch versions: {sorted(torches)}")
+    for (side, config), m in pooled.items():
+        if "error" in m:
+            tb = (m.get("traceback") or "").strip().splitlines()
+            print(f"\n{side} {config} failed: {m['error']}" + ("\n  " + "\n  ".join(tb[-5:]) if tb else ""))
+    if args.json:
+        with open(args.json, "w") as f:
+            meta = dict(threads=args.threads, steps=args.steps, warmup=args.warmup, rounds=args.rounds)
+            meta.update(reference_python=ref_python, reference_note=ref_note, configs=configs)
+            rows = {f"{side}/{config}": m for (side, config), m in pooled.items()}
+            json.dump({**meta, "results": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

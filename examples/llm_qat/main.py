@@ -161,7 +161,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if model_args.model_name_or_path is None:
         from modelopt_lite.models import default_model_path
 
-        model_args.model_name_or_path = str(default_model_path(model_args.default_model))
+        with training.main_process_first(desc="building the default model"):  # trained once, then cached
+            model_args.model_name_or_path = str(default_model_path(model_args.default_model))
     path = model_args.model_name_or_path
     if not Path(path).is_dir():
         raise SystemExit(f"--model_name_or_path {path}: not a directory")

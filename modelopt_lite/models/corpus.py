@@ -14,34 +14,18 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib
-import inspect
-import warnings
+import json
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
-__all__ = ["HELDOUT_PERCENT", "MODULES", "Document", "corpus_digest", "corpus_documents", "corpus_texts"]
+__all__ = ["HELDOUT_PERCENT", "Document", "corpus_digest", "corpus_documents", "corpus_texts"]
 
 Split = Literal["train", "heldout", "all"]
 SPLITS: tuple[str, ...] = ("train", "heldout", "all")
 HELDOUT_PERCENT = 10
-_MIN_CHARS = 40
-
-# Pure-Python modules that import without side effects on Linux, macOS and Windows, CPython 3.10 and later
-# (a module missing from some version is skipped; the digest records the difference).
-MODULES: tuple[str, ...] = tuple(
-    sorted(
-        """abc argparse ast asyncio base64 bisect calendar cmd codecs collections concurrent.futures
-        configparser contextlib copy csv dataclasses datetime decimal difflib doctest email enum filecmp
-        fnmatch fractions ftplib functools getopt gettext glob gzip hashlib heapq hmac html html.parser
-        http.client http.server imaplib inspect io ipaddress itertools json logging lzma mailbox mimetypes
-        numbers operator optparse os pathlib pdb pickle pkgutil platform plistlib poplib pprint queue quopri
-        random re reprlib sched secrets selectors shelve shlex shutil smtplib socket socketserver sqlite3
-        statistics string struct subprocess tarfile tempfile textwrap threading timeit tokenize trace
-        traceback types typing unittest urllib.parse urllib.request uuid warnings wave weakref
-        xml.dom.minidom xml.etree.ElementTree zipfile zoneinfo""".split()
-    )
-)
 
 
 @dataclass(frozen=True)
@@ -57,54 +41,26 @@ class Document:
         return int(digest[:8], 16) < HELDOUT_PERCENT * (1 << 32) // 100
 
 
-def _own_doc(obj: object) -> str | None:
-    """The object's own docstring, cleaned (``inspect.getdoc`` would inherit a base class's text)."""
-    doc = getattr(obj, "__doc__", None)
-    if not isinstance(doc, str):
-        return None
-    doc = inspect.cleandoc(doc).strip()
-    return doc if len(doc) >= _MIN_CHARS else None
-
-
-def _module_documents(name: str) -> list[Document]:
-    with warnings.catch_warnings():  # deprecated modules and aliases (typing.io) warn on import / access
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return _walk(name)
-
-
-def _walk(name: str) -> list[Document]:
-    try:
-        module = importlib.import_module(name)
-    except ImportError:
-        return []
-    found = [(name, _own_doc(module))]
-    namespace = vars(module)
-    for attr in sorted(namespace):
-        obj = namespace[attr]
-        if attr.startswith("_") or not isinstance(getattr(obj, "__module__", None), str):
-            continue
-        if obj.__module__ != module.__name__ or inspect.ismodule(obj):
-            continue
-        if inspect.isclass(obj):
-            found.append((f"{name}.{attr}", _own_doc(obj)))
-            members = vars(obj)
-            found += [(f"{name}.{attr}.{m}", _own_doc(members[m])) for m in sorted(members)
-                      if not m.startswith("_") and inspect.isfunction(members[m])]  # fmt: skip
-        elif inspect.isfunction(obj):
-            found.append((f"{name}.{attr}", _own_doc(obj)))
-    return [Document(n, text) for n, text in found if text is not None]
-
-
 @functools.lru_cache(maxsize=1)
 def corpus_documents() -> tuple[Document, ...]:
-    """Every document, in the fixed order (stdlib docstrings, then ``pydoc_data.topics``), texts unique."""
-    from pydoc_data.topics import topics
+    """Every document, in the fixed order (stdlib docstrings, then ``pydoc_data.topics``), texts unique.
 
+    Read by a fresh, isolated interpreter (``python -I -S _stdlib_docs.py``): libraries imported here patch
+    standard library objects (transformers adds ``logging.Logger.warning_advice``, torch replaces
+    ``inspect.getfile``), which would change the corpus and with it the default models' version."""
+    script = Path(__file__).with_name("_stdlib_docs.py")
+    if not sys.executable:
+        raise RuntimeError("reading the default corpus needs sys.executable (a Python interpreter to start)")
+    done = subprocess.run([sys.executable, "-I", "-S", str(script)], capture_output=True, text=True,
+                          encoding="utf-8", check=False)  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"reading the default corpus with {sys.executable} {script} failed:\n{done.stderr}"
+        )
     seen: set[str] = set()
     docs: list[Document] = []
-    candidates = [d for name in MODULES for d in _module_documents(name)]
-    candidates += [Document(f"topics:{key}", topics[key].strip()) for key in sorted(topics)]
-    for doc in candidates:
+    for name, text in json.loads(done.stdout):
+        doc = Document(name, text)
         if doc.text not in seen:
             seen.add(doc.text)
             docs.append(doc)

@@ -79,6 +79,23 @@ def test_split_disjoint_covering_and_stable():
         corpus_texts("validation")  # type: ignore[arg-type]
 
 
+def test_corpus_ignores_libraries_patching_the_stdlib(monkeypatch):
+    import json as json_module
+
+    digest = corpus.corpus_digest()
+
+    def patched(self):
+        """A method some library added to a standard class after import; not CPython's documentation."""
+
+    monkeypatch.setattr(json_module.JSONDecoder, "patched", patched, raising=False)
+    corpus.corpus_documents.cache_clear()
+    try:
+        assert corpus.corpus_digest() == digest
+        assert "json.JSONDecoder.patched" not in [d.name for d in corpus.corpus_documents()]
+    finally:
+        corpus.corpus_documents.cache_clear()
+
+
 # -------------------------------------------------------------------------------------------- tokenizer
 
 

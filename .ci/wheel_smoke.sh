@@ -35,6 +35,17 @@ ids = torch.randint(0, 64, (1, 8))
 mtq.quantize(model, "general/ptq/nvfp4_default-kv_fp8", [ids])
 with tempfile.TemporaryDirectory() as tmp:
     mto.restore(LlamaForCausalLM(cfg).eval(), mto.save(model, tmp + "/q.safetensors"))
+    # quantize -> export -> load back with the installed loader
+    from transformers import AutoModelForCausalLM
+    from modelopt_lite.export import export_hf_checkpoint
+
+    result = export_hf_checkpoint(model, tmp + "/export")
+    assert result.quantized_layers, result
+    AutoModelForCausalLM.from_pretrained(tmp + "/export")
 print(f"wheel smoke test: modelopt_lite {modelopt_lite.__version__} from {modelopt_lite.__file__}: ok")
 PY
+# every console script answers --help
+for script in modelopt-lite-ptq modelopt-lite-default-model; do
+    "$work/venv/bin/$script" --help > /dev/null
+done
 rm -rf "$work"

@@ -82,9 +82,12 @@ DATACLASSES = (ModelArguments, DataArguments, TrainingArguments, QuantizationArg
 
 
 def parse(argv: list[str]) -> tuple[Any, ...]:
-    """The five argument dataclasses from ``--config file.yaml`` (optional) and the command line."""
+    """The five argument dataclasses from ``--config file.yaml`` (optional) and the command line. Without a
+    GPU, ``--use_cpu true`` is implied (so that ``accelerate launch`` runs DDP over CPU processes)."""
     parser = HfArgumentParser(DATACLASSES)
     config_args: list[str] = []
+    if not torch.cuda.is_available() and "--use_cpu" not in argv:
+        argv = ["--use_cpu", "true", *argv]
     if "--config" in argv:
         i = argv.index("--config")
         if i + 1 >= len(argv):

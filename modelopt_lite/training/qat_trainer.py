@@ -96,6 +96,16 @@ class QATTrainer(Trainer):
         self.calib_dataset = calib_dataset
         self.gc_policy = GCPolicy(self.quant_args.manual_gc, self.quant_args.gc_refreeze_every)
         self.add_callback(_GCCallback(self.gc_policy))
+        self._check_launch()
+
+    def _check_launch(self) -> None:
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+        if launched > 1 and self.args.world_size == 1:
+            raise RuntimeError(
+                f"{launched} processes were launched (WORLD_SIZE={launched}) but the Trainer is not "
+                "distributed: every process would train its own copy of the model. Without GPUs, pass "
+                "TrainingArguments(use_cpu=True) (--use_cpu true) or launch with `accelerate launch --cpu`"
+            )
         self._warn_if_fsdp_was_dropped()
 
     def _warn_if_fsdp_was_dropped(self) -> None:

@@ -220,7 +220,22 @@ def qat_fsdp2(kind: str, out: Path, rank: int) -> None:
     (out / f"fsdp2_{stop}{'_resumed' if resume else ''}_{rank}.json").write_text(json.dumps(result))
 
 
+def qat_not_distributed(kind: str, out: Path, rank: int) -> None:
+    """A GPU-style launch on a machine without GPUs (use_cpu=False): the Trainer stays single-process on
+    every rank; QATTrainer must refuse instead of letting each process train its own copy."""
+    from modelopt_lite.training import QATTrainer, QuantizationArguments
+    from tests.unit._training import CountingData, cpu_args
+
+    args = cpu_args(out / "run", use_cpu=False)
+    quant = QuantizationArguments(recipe="NVFP4_DEFAULT_CFG", calib_size=8)
+    outcome = _outcome(
+        lambda: QATTrainer(model=MODELS[kind](), args=args, train_dataset=CountingData(), quant_args=quant)
+    )
+    (out / f"launch_{rank}.json").write_text(json.dumps({"world_size": args.world_size, "outcome": outcome}))
+
+
 SCENARIOS = {
+    "qat_not_distributed": qat_not_distributed,
     "calibrate": calibrate_sharded,
     "fold": fold_sharded,
     "bad_input": bad_input,

@@ -159,3 +159,13 @@ def test_save_model_of_an_fsdp2_model_is_restorable_in_one_process(tmp_path):
     state = full_state(restored)
     assert state.keys() == gathered.keys()
     assert all(torch.equal(state[k], gathered[k]) for k in state)
+
+
+def test_processes_launched_without_a_distributed_trainer_are_refused(tmp_path):
+    _torchrun("qat_not_distributed", "llama", tmp_path)
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"launch_{rank}.json").read_text())
+        assert result["world_size"] == 1  # what the Trainer would have done: train alone on each rank
+        assert result["outcome"].startswith(
+            "RuntimeError: 2 processes were launched (WORLD_SIZE=2) but the Trainer is not distributed"
+        ), result

@@ -27,11 +27,12 @@ import hashlib
 import json
 import math
 import os
-import re
 import subprocess
 import sys
 import tempfile
 import time
+
+import _harness as h
 
 ROWS = [
     ("INT8_SMOOTHQUANT_CFG", ["max", "smoothquant"]),
@@ -158,15 +159,10 @@ def _set_algorithm(cfg: dict, algorithm: str) -> dict:
 
 def _timed(fn, *args) -> dict:
     """Wall seconds of ``fn(*args)``; cores other processes kept busy meanwhile (they inflate it)."""
-    from calibrate import _busy_cpu_seconds  # sibling benchmark, stdlib only
-
-    busy, own, start = _busy_cpu_seconds(), time.process_time(), time.perf_counter()
+    start = h.CpuMark.now()
     fn(*args)
-    out = {"seconds": time.perf_counter() - start}
-    if busy is not None:
-        other = _busy_cpu_seconds() - busy - (time.process_time() - own)
-        out["other_cores"] = max(0.0, other / out["seconds"])
-    return out
+    seconds, others = start.since()
+    return {"seconds": seconds} if math.isnan(others) else {"seconds": seconds, "other_cores": others}
 
 
 def _eval_child(side: str, data_path: str, rows: list, threads: int) -> None:
@@ -201,9 +197,9 @@ def _eval_child(side: str, data_path: str, rows: list, threads: int) -> None:
              if isinstance(m, torch.nn.Linear) and "lm_head" not in n]  # fmt: skip
     with torch.no_grad():
         model(data["layer"])
-    for h in hooks:
-        h.remove()
-    print("@@RESULT " + json.dumps({"row": None, "loss": heldout_loss(model, data["eval"])}), flush=True)
+    for hook in hooks:
+        hook.remove()
+    h.emit_result({"row": None, "loss": heldout_loss(model, data["eval"])})
 
     def loop(m):
         with torch.no_grad():
@@ -233,21 +229,8 @@ def _eval_child(side: str, data_path: str, rows: list, threads: int) -> None:
                 out["mse"] = sum(errs) / len(errs)
                 out["loss"] = heldout_loss(model, data["eval"])
         except Exception as err:
-            import traceback
-
-            first = (str(err).strip().splitlines() or [""])[0]
-            out.update(error=f"{type(err).__name__}: {first}"[:160], traceback=traceback.format_exc())
-        print("@@RESULT " + json.dumps(out), flush=True)
-
-
-def _hwm_kb() -> int:
-    with open("/proc/self/status") as f:
-        return int(re.search(r"VmHWM:\s+(\d+)", f.read()).group(1))
-
-
-def _rss_kb() -> int:
-    with open("/proc/self/status") as f:
-        return int(re.search(r"VmRSS:\s+(\d+)", f.read()).group(1))
+            out.update(h.error_result(err, 160))
+        h.emit_result(out)
 
 
 def _mem_child(layers: int, algorithm: str, threads: int) -> None:
@@ -265,41 +248,26 @@ def _mem_child(layers: int, algorithm: str, threads: int) -> None:
     batches = [torch.randint(0, 256, (4, SEQ), generator=gen) for _ in range(8)]
     with torch.no_grad():
         model(batches[0])  # warm-up: kernels, thread pools
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current RSS
-        base, how = _rss_kb(), "clear_refs"
-    except OSError:
-        base, how = _hwm_kb(), "peak after warm-up"
+    how, base = h.reset_peak_rss("peak after warm-up")
     timed = _timed(mtq.quantize, model, _set_algorithm(mtq.get_preset("INT4_AWQ_CFG"), algorithm), batches)
-    res = {**timed, "increase_mb": (_hwm_kb() - base) / 1024, "baseline": how,
+    res = {**timed, "increase_mb": h.status_mb("VmHWM") - base, "baseline": how,
            "model_mb": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20,
            "block_mb": sum(m.weight.numel() * m.weight.element_size() for m in model.model.layers[0].modules()
                            if isinstance(m, torch.nn.Linear)) / 2**20}  # fmt: skip
-    print("@@RESULT " + json.dumps(res), flush=True)
+    h.emit_result(res)
 
 
 def _run_child(python: str, argv: list[str], threads: int, extra_path: str | None, **env_extra) -> list[dict]:
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1")
-    env.update(env_extra)
-    env.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    if extra_path:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (extra_path, env.get("PYTHONPATH")) if p)
+    env = h.child_env(threads, extra_path, **env_extra)
     cmd = [python, os.path.abspath(__file__), *argv, "--threads", str(threads)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=os.path.dirname(python) or None)
-    out = [json.loads(ln[9:]) for ln in proc.stdout.splitlines() if ln.startswith("@@RESULT ")]
+    out = h.parse_results(proc.stdout)  # one result per row; a crash adds the row "crash"
     if proc.returncode:
-        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        out.append({"row": "crash", "error": f"child exited {proc.returncode}: {tail}"[:200],
-                    "traceback": proc.stderr[-4000:]})  # fmt: skip
+        out.append({"row": "crash", **h.crash_error(proc)})
     return out
 
 
 # ------------------------------------------------------------------------------------------------ parent
-
-
-def _fmt(v, spec: str) -> str:
-    return "n/a" if v is None else format(v, spec)
 
 
 def _secs(r: dict) -> str:
@@ -360,8 +328,7 @@ def main() -> None:
 
     from calibrate import _borrow_transformers, _reference_usable  # sibling benchmark (stdlib-only module)
 
-    repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    sides = {"ours": (sys.executable, repo_root)}
+    sides = {"ours": (sys.executable, h.REPO_ROOT)}
     ref_ok, ref_note = _reference_usable(args.reference_python)
     if ref_ok:
         shim, borrowed = _borrow_transformers(args.reference_python)
@@ -387,14 +354,14 @@ def main() -> None:
     ours = results["ours"]
     base = ours.get("base", {}).get("loss")
     print("\n## ours (modelopt_lite)\n")
-    print(f"unquantized held-out loss: {_fmt(base, '.4f')}\n")
+    print(f"unquantized held-out loss: {h.fmt_or_na(base, '.4f')}\n")
     print("| config | algorithm | rel. layer MSE (mean) | held-out loss | Δ loss vs unquantized | calib s "
           "| better than max? |\n|" + "---|" * 7)  # fmt: skip
     for c, a in rows:
         r = ours.get((c, a), {"error": "missing (child crashed)"})
         ok = "error" not in r
         delta = r["loss"] - base if ok and base is not None else None
-        cells = (f"{r['mse']:.3e} | {r['loss']:.4f} | {_fmt(delta, '+.4f')} | {_secs(r)}" if ok
+        cells = (f"{r['mse']:.3e} | {r['loss']:.4f} | {h.fmt_or_na(delta, '+.4f')} | {_secs(r)}" if ok
                  else f"n/a ({r['error']}) | n/a | n/a | n/a")  # fmt: skip
         print(f"| {c} | {a} | {cells} | {_better(r, ours.get((c, 'max')))} |")
     print("\ncalib s: wall time of mtq.quantize (insertion + calibration) after an untimed warm-up; * = other"
@@ -404,14 +371,14 @@ def main() -> None:
         ref = results["ref"]
         print("\n## side by side with nvidia-modelopt (same weights, data and configs)\n")
         rb = ref.get("base", {}).get("loss")
-        print(f"unquantized held-out loss: ours {_fmt(base, '.4f')}, ref {_fmt(rb, '.4f')}\n")
+        print(f"unquantized held-out loss: ours {h.fmt_or_na(base, '.4f')}, ref {h.fmt_or_na(rb, '.4f')}\n")
         print("| config | algorithm | ours loss | ref loss | ours layer MSE | ref layer MSE | ours s | ref s "
               "| ref better than max? |\n|" + "---|" * 9)  # fmt: skip
         for c, a in rows:
             o, r = ours.get((c, a), {}), ref.get((c, a), {"error": "missing (child crashed)"})
 
             def cell(d, k, spec):
-                return _fmt(d.get(k), spec) if "error" not in d else "n/a"
+                return h.fmt_or_na(d.get(k), spec) if "error" not in d else "n/a"
 
             rl = cell(r, "loss", ".4f") if "error" not in r else f"n/a ({r['error']})"
             print(f"| {c} | {a} | {cell(o, 'loss', '.4f')} | {rl} | {cell(o, 'mse', '.3e')} "
@@ -430,7 +397,7 @@ def main() -> None:
             for layers in (2, 8):
                 for alg in ("gptq", "max"):
                     argv = ["--child", "mem", "--layers", str(layers), "--algorithm", alg]
-                    res = _run_child(sys.executable, argv, args.threads, repo_root, **env)
+                    res = _run_child(sys.executable, argv, args.threads, h.REPO_ROOT, **env)
                     ok = res and "error" not in res[0]
                     mem[f"{malloc}/{layers}/{alg}"] = res[0] if ok else {"error": str(res)[:300]}
                 g, m = mem[f"{malloc}/{layers}/gptq"], mem[f"{malloc}/{layers}/max"]

@@ -32,6 +32,8 @@ import subprocess
 import sys
 import time
 
+import _harness as h
+
 CONFIGS = ["FP8_DEFAULT_CFG", "INT8_DEFAULT_CFG", "NVFP4_DEFAULT_CFG", "INT4_BLOCKWISE_WEIGHT_ONLY_CFG"]
 QUICK_CONFIGS = ["FP8_DEFAULT_CFG", "NVFP4_DEFAULT_CFG"]
 DEFAULT_REFERENCE_PYTHON = "/work/mo_venv/bin/python"
@@ -56,17 +58,6 @@ def _peak_rss_mb() -> float:
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes on macOS, KiB on Linux
-
-
-def _busy_cpu_seconds() -> float | None:
-    """Busy CPU seconds of the whole machine so far (Linux /proc/stat), or None."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(v) for v in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 def _build_model_and_batches():
@@ -105,16 +96,11 @@ def _child(which: str, config: str, threads: int) -> dict:
         return {"error": f"config {config} not present in this library"}
     cfg = copy.deepcopy(getattr(mtq, config))
     rss_before = _rss_now_mb()
-    busy_before, own_before = _busy_cpu_seconds(), time.process_time()
-    start = time.perf_counter()
+    start = h.CpuMark.now()
     mtq.quantize(model, cfg, forward_loop)
-    seconds = time.perf_counter() - start
-    busy_after, own_after = _busy_cpu_seconds(), time.process_time()
-    peak = _peak_rss_mb()
     # cores that other processes kept busy while quantize ran (they inflate the time; nan without /proc)
-    others = float("nan")
-    if busy_before is not None and busy_after is not None:
-        others = max(0.0, (busy_after - busy_before - (own_after - own_before)) / seconds)
+    seconds, others = start.since()
+    peak = _peak_rss_mb()
     if which == "ours":
         mtq.check_calibrated(model)  # raises if an enabled quantizer that needs amax has none
     # TensorQuantizer and subclasses (the reference swaps in e.g. StaticBlockScaleQuantizer)
@@ -125,33 +111,13 @@ def _child(which: str, config: str, threads: int) -> dict:
     }  # fmt: skip
 
 
-def _child_main(which: str, config: str, threads: int) -> None:
-    try:
-        result = _child(which, config, threads)
-    except Exception as err:
-        import traceback
-
-        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        result = {"error": f"{type(err).__name__}: {first}"[:200], "traceback": traceback.format_exc()}
-    print("@@RESULT " + json.dumps(result), flush=True)
-
-
 # ---------------------------------------------------------------------------------------------- parent
 
 
 def _run_child(python: str, which: str, config: str, threads: int, extra_path: str | None) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1")
-    env.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    if extra_path:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (extra_path, env.get("PYTHONPATH")) if p)
     cmd = [python, os.path.abspath(__file__), "--child", which, "--config", config, "--threads", str(threads)]
     # run from a neutral directory so the reference interpreter cannot pick up this checkout by accident
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=os.path.dirname(python) or None)
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("@@RESULT "):
-            return json.loads(line[len("@@RESULT ") :])
-    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-    return {"error": f"child exited {proc.returncode}: {tail}"[:200], "traceback": proc.stderr[-4000:]}
+    return h.run_child(cmd, h.child_env(threads, extra_path), cwd=os.path.dirname(python) or None)
 
 
 def _ref_import_error(python: str, extra_path: str | None, module: str) -> str | None:
@@ -260,9 +226,8 @@ def _measure(
         if "error" in out:
             continue
         runs = out["runs"]
-        secs = [r["seconds"] for r in runs]
         out.update(
-            median_s=statistics.median(secs), min_s=min(secs),
+            **h.time_stats(r["seconds"] for r in runs),
             median_peak_rss_mb=statistics.median(r["peak_rss_mb"] for r in runs),
             median_rss_delta_mb=statistics.median(r["peak_rss_mb"] - r["rss_before_mb"] for r in runs),
             loaded_runs=sum(r["loaded"] for r in runs),
@@ -275,7 +240,7 @@ def _time_cell(m: dict | None) -> str:
         return "skipped"
     if "error" in m:
         return f"n/a (reason: {m['error']})"
-    return f"{m['median_s']:.3f} ({m['min_s']:.3f})"
+    return h.fmt_median_min(m)
 
 
 def _rss_cell(m: dict | None) -> str:
@@ -312,13 +277,11 @@ def main() -> None:
     args = parser.parse_args()
 
     if args.child:
-        _child_main(args.child, args.config, args.threads)
+        h.run_and_emit(lambda: _child(args.child, args.config, args.threads))
         return
 
     repeats = 2 if args.quick else args.repeats
     configs = args.configs or (QUICK_CONFIGS if args.quick else CONFIGS)
-    # ours: make this checkout importable even if the child's cwd is elsewhere
-    repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ref_ok, ref_note = _reference_usable(args.reference_python)
     print(
         f"tiny Llama (hidden 256, 4 layers), {NUM_BATCHES} batches of {BATCH}x{SEQ}; threads {args.threads}; "
@@ -339,7 +302,7 @@ def main() -> None:
 
     rows = []
     for config in configs:
-        sides = {"ours": (sys.executable, repo_root)}
+        sides = {"ours": (sys.executable, h.REPO_ROOT)}  # importable from the child's neutral cwd
         if ref_ok:
             sides["ref"] = (args.reference_python, ref_path)
         measured = _measure(config, repeats, args.threads, sides, args.max_other_load, args.retries)

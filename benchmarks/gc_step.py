@@ -42,12 +42,13 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import statistics
 import sys
 import time
 
-from calibrate import _busy_cpu_seconds  # sibling benchmark (stdlib only)
+import _harness as h
 
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 32, 64, 2, 1, 16, 256
 BATCH, SEQ, CALIB_BATCHES, TRAIN_BATCHES = 1, 16, 1, 4
@@ -125,10 +126,6 @@ def _train_step(model, opt, ids, step_times: list[float] | None = None) -> float
     return loss.item()  # the loss tensor (and what its graph held) dies here
 
 
-def _stats(times: list[float]) -> dict:
-    return {"times_s": times, "median_s": statistics.median(times), "min_s": min(times)}
-
-
 def main() -> None:
     wall = time.perf_counter()
     parser = argparse.ArgumentParser(description="per-step gc.collect() time with and without gc.freeze()")
@@ -202,7 +199,7 @@ def main() -> None:
             for arm in ("nofreeze", "freeze"):
                 watch.arm = arm
                 policy = GCPolicy()
-                start = (_busy_cpu_seconds(), time.process_time(), time.perf_counter())
+                start = h.CpuMark.now()
                 if arm == "freeze":  # first step of a run: collect (nothing frozen yet), step, freeze
                     first_unfrozen.append(timed_before_step(policy))
                     losses.append(_train_step(model, opt, next_batch()))
@@ -219,9 +216,9 @@ def main() -> None:
                 if arm == "freeze":
                     not_frozen.append(len(gc.get_objects()))  # excludes the frozen generation
                 policy.close()
-                busy, own, seconds = _busy_cpu_seconds(), time.process_time(), time.perf_counter() - start[2]
-                if busy is not None and start[0] is not None:
-                    loads[arm].append(max(0.0, (busy - start[0] - (own - start[1])) / seconds))
+                others = start.since()[1]
+                if not math.isnan(others):
+                    loads[arm].append(others)
                 last = ", ".join(f"{1e3 * t:.3f}" for t in times[arm][-n:])
                 print(f"  round {r + 1} {arm:<8}: collect ms {last}", file=sys.stderr, flush=True)
     finally:
@@ -230,7 +227,7 @@ def main() -> None:
         if gc.get_freeze_count():
             gc.unfreeze()
 
-    res = {arm: _stats(t) for arm, t in times.items()}
+    res = {arm: {"times_s": t, **h.time_stats(t)} for arm, t in times.items()}
     for arm, r in res.items():
         r["other_cores_busy"] = max(loads[arm]) if loads[arm] else None
         r["loaded"] = bool(loads[arm]) and max(loads[arm]) > max_other

@@ -42,11 +42,9 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import time
 
-from calibrate import _busy_cpu_seconds  # sibling benchmark (stdlib only)
+import _harness as h
 
 BATCH, SEQ, VOCAB, CALIB_STEP, CALIB_MEM = 4, 128, 4096, 2, 8
 STEP_PATHS = ["baseline", "grouped_mm", "eager"]  # baseline: unquantized, transformers' grouped_mm
@@ -59,23 +57,6 @@ LABELS = {
 
 
 # ----------------------------------------------------------------------------------------------- child
-
-
-def _status_mb(key: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) / 1024
-    raise KeyError(key)
-
-
-def _since(start: tuple) -> tuple[float, float]:
-    """Seconds since ``start`` (``(_busy_cpu_seconds(), process_time(), perf_counter())``) and the cores
-    other processes kept busy meanwhile (nan without /proc)."""
-    seconds, busy, own = time.perf_counter() - start[2], _busy_cpu_seconds(), time.process_time()
-    if busy is None or start[0] is None:
-        return seconds, float("nan")
-    return seconds, max(0.0, (busy - start[0] - (own - start[1])) / seconds)
 
 
 def _build(num_batches: int):
@@ -107,12 +88,12 @@ def _child_step(path: str, repeats: int) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     ids, times, loads = batches[0], [], []
     for i in range(repeats + 1):
-        start = (_busy_cpu_seconds(), time.process_time(), time.perf_counter())
+        start = h.CpuMark.now()
         loss = model(ids, labels=ids).loss
         loss.backward()
         opt.step()
         opt.zero_grad()
-        seconds, others = _since(start)
+        seconds, others = start.since()
         if i:  # step 0 is the warm-up
             times.append(seconds)
             loads.append(others)
@@ -133,12 +114,7 @@ def _child_mem(mode: str) -> dict:
     with torch.no_grad():
         model(batches[0])  # warm-up: one-time allocations and activation buffers before the baseline
     gc.collect()
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current RSS
-        method, before = "clear_refs", _status_mb("VmRSS")
-    except OSError:
-        method, before = "VmHWM after warm-up forward", _status_mb("VmHWM")
+    method, before = h.reset_peak_rss("VmHWM after warm-up forward")
     if mode == "plain":
         with torch.no_grad():
             for b in batches:
@@ -147,7 +123,7 @@ def _child_mem(mode: str) -> dict:
         QuantExperts.weight_pass_through = mode == "pass"
         mtq.quantize(model, mtq.get_preset("NVFP4_DEFAULT_CFG"), batches, "grouped_mm")  # under no_grad
         mtq.check_calibrated(model)
-    peak = _status_mb("VmHWM")
+    peak = h.status_mb("VmHWM")
     out = {"method": method, "before_mb": before, "peak_mb": peak, "increase_mb": peak - before}
     experts = [m for m in model.modules() if isinstance(m, QuantExperts)]  # none in "plain"
     out["expert_bytes"] = sum(m.gate_up_proj.numel() * 4 + m.down_proj.numel() * 4 for m in experts)
@@ -158,31 +134,13 @@ def _child_main(args) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    try:
-        result = _child_step(args.path, args.repeats) if args.child == "step" else _child_mem(args.path)
-    except Exception as err:
-        import traceback
-
-        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        result = {"error": f"{type(err).__name__}: {first}"[:200], "traceback": traceback.format_exc()}
-    print("@@RESULT " + json.dumps(result), flush=True)
+    if args.child == "step":
+        h.run_and_emit(lambda: _child_step(args.path, args.repeats))
+    else:
+        h.run_and_emit(lambda: _child_mem(args.path))
 
 
 # ---------------------------------------------------------------------------------------------- parent
-
-
-def _wait_quiet(max_other: float, max_wait: float) -> None:
-    """Wait (at most ``max_wait`` s) until other processes keep <= ``max_other`` cores busy over 2 s."""
-    deadline, said = time.monotonic() + max_wait, False
-    while time.monotonic() < deadline:
-        before = _busy_cpu_seconds()
-        time.sleep(2)
-        after = _busy_cpu_seconds()
-        if before is None or after is None or (after - before) / 2 <= max_other:
-            return
-        if not said:
-            print(f"  waiting for other processes to go quiet (up to {max_wait:.0f} s)", flush=True)
-            said = True
 
 
 def _run_child(
@@ -191,32 +149,17 @@ def _run_child(
 ) -> dict:  # fmt: skip
     """Run a child after waiting for a quiet machine; rerun while other processes kept > max_other cores
     busy during its timed steps (the last try is kept, flagged ``loaded``)."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1")
-    env.update(extra_env)
-    env.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH")) if p)
+    env = h.child_env(threads, h.REPO_ROOT, **extra_env)
     cmd = [sys.executable, os.path.abspath(__file__), "--child", kind, "--path", path]
     cmd += ["--threads", str(threads), "--repeats", str(repeats)]
-    for attempt in range(retries + 1):
-        _wait_quiet(max_other, max_wait)
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("@@RESULT ")]
-        if not lines:
-            tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-            err = f"child exited {proc.returncode}: {tail}"[:200]
-            return {"error": err, "traceback": proc.stderr[-4000:]}
-        res = json.loads(lines[-1][len("@@RESULT ") :])
-        res["loaded"] = bool(res.get("other_cores_busy", 0) > max_other)
-        if "error" in res or not res["loaded"]:
-            return res
-        note = ", retrying" if attempt < retries else ", kept (flagged loaded)"
+
+    def disturbed(res: dict, retrying: bool) -> None:
+        note = ", retrying" if retrying else ", kept (flagged loaded)"
         print(f"  {kind} {path}: disturbed (others {res['other_cores_busy']:.2f} cores){note}", flush=True)
-    return res
 
-
-def _fmt(x: float | None, spec: str = ".3f") -> str:
-    return "n/a" if x is None else format(x, spec)
+    return h.run_child_when_quiet(
+        cmd, env, max_other=max_other, max_wait=max_wait, retries=retries, on_disturbed=disturbed
+    )
 
 
 def main() -> None:
@@ -254,7 +197,7 @@ def main() -> None:
         if "error" in res:
             print(f"  step {path}: failed: {res['error']}", flush=True)
             continue
-        res.update(median_s=statistics.median(res["times"]), min_s=min(res["times"]))
+        res.update(h.time_stats(res["times"]))
         times = ", ".join(f"{t:.3f}" for t in res["times"])
         print(f"  step {path}: {times} s ({res['impl']}; others {res['other_cores_busy']:.2f})", flush=True)
     mem: dict[str, dict] = {}
@@ -302,7 +245,7 @@ def main() -> None:
     )
     ebytes = next((r["expert_bytes"] for m in ("pass", "nopass") for r in mem[m]["runs"]), None)
     emb = ebytes / 2**20 if ebytes else None
-    print(f"expert weights (all QuantExperts gate_up_proj + down_proj, fp32): {_fmt(emb, '.1f')} MB\n")
+    print(f"expert weights (all QuantExperts gate_up_proj + down_proj, fp32): {h.fmt_or_na(emb, '.1f')} MB\n")
     print("| measurement | baseline RSS MB | peak increase MB | minus plain fwd MB | % of expert weights |")
     print("|---|---|---|---|---|")
     plain = mem["plain"].get("increase_mb")
@@ -314,13 +257,15 @@ def main() -> None:
         before = statistics.median(r["before_mb"] for r in m["runs"])
         extra = m["increase_mb"] - plain if plain is not None and mode != "plain" else None
         adds[mode] = 100 * extra / emb if extra is not None and emb else None
-        pct, extra_s = (_fmt(adds[mode], ".1f") + "%", _fmt(extra, ".1f")) if mode != "plain" else ("-", "-")
+        pct, extra_s = "-", "-"
+        if mode != "plain":
+            pct, extra_s = h.fmt_or_na(adds[mode], ".1f") + "%", h.fmt_or_na(extra, ".1f")
         print(f"| {LABELS[mode]} | {before:.0f} | {m['increase_mb']:.1f} | {extra_s} | {pct} |")
     if adds.get("pass") is not None:
         verdict = "met" if adds["pass"] < 10 else "NOT met"
         print(
             f"\ncalibration adds {adds['pass']:.1f}% of the expert weights with pass-through (target < 10%: "
-            f"{verdict}), {_fmt(adds.get('nopass'), '.1f')}% without"
+            f"{verdict}), {h.fmt_or_na(adds.get('nopass'), '.1f')}% without"
         )
     loaded = [p for p, r in steps.items() if r.get("loaded")]
     if loaded:

@@ -41,11 +41,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
-from calibrate import _busy_cpu_seconds  # sibling benchmark (stdlib only)
+import _harness as h
 
 BATCH, SEQ, VOCAB, CALIB_SAMPLES = 4, 512, 32768, 4
 MODEL = dict(
@@ -57,14 +56,6 @@ LABELS = {"chunked": "QAD, chunked KL", "unchunked": "QAD, unchunked KL", "qat":
 
 
 # ----------------------------------------------------------------------------------------------- child
-
-
-def _status_mb(key: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) / 1024
-    raise KeyError(key)
 
 
 def _malloc_trim() -> None:
@@ -103,13 +94,8 @@ def _child(mode: str, recipe: str, chunk: int, threads: int, steps: int) -> dict
             if self.step == 1:  # after the warm-up step: baseline
                 gc.collect()
                 _malloc_trim()
-                try:
-                    with open("/proc/self/clear_refs", "w") as f:
-                        f.write("5")  # resets VmHWM to the current RSS
-                    self.method, self.before = "clear_refs", _status_mb("VmRSS")
-                except OSError:
-                    self.method, self.before = "VmHWM after warm-up step", _status_mb("VmHWM")
-                self.window = (_busy_cpu_seconds(), time.process_time(), time.perf_counter())
+                self.method, self.before = h.reset_peak_rss("VmHWM after warm-up step")
+                self.window = h.CpuMark.now()
             self.start = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
@@ -136,12 +122,8 @@ def _child(mode: str, recipe: str, chunk: int, threads: int, steps: int) -> dict
             trainer = QADTrainer(**common, distill_args=distill_args, teacher_model=teacher)
         trainer.add_callback(probe)
         trainer.train()
-    peak = _status_mb("VmHWM")  # read before anything else allocates
-    end = (_busy_cpu_seconds(), time.process_time(), time.perf_counter())
-    others = float("nan")
-    if probe.window is not None and probe.window[0] is not None and end[0] is not None:
-        busy, own, wall = (e - s for e, s in zip(end, probe.window, strict=True))
-        others = max(0.0, (busy - own) / wall)
+    peak = h.status_mb("VmHWM")  # read before anything else allocates
+    others = probe.window.since()[1] if probe.window is not None else float("nan")
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     return {
         "method": probe.method or "no measured step", "before_mb": probe.before, "peak_mb": peak,
@@ -150,53 +132,16 @@ def _child(mode: str, recipe: str, chunk: int, threads: int, steps: int) -> dict
     }  # fmt: skip
 
 
-def _child_main(args) -> None:
-    try:
-        result = _child(args.child, args.recipe, args.chunk, args.threads, args.steps)
-    except Exception as err:
-        import traceback
-
-        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        result = {"error": f"{type(err).__name__}: {first}"[:300], "traceback": traceback.format_exc()}
-    print("@@RESULT " + json.dumps(result), flush=True)
-
-
 # ---------------------------------------------------------------------------------------------- parent
 
 
-def _wait_quiet(max_other: float, max_wait: float) -> None:
-    """Wait (at most ``max_wait`` s) until other processes keep <= ``max_other`` cores busy over 2 s."""
-    deadline, said = time.monotonic() + max_wait, False
-    while time.monotonic() < deadline:
-        before = _busy_cpu_seconds()
-        time.sleep(2)
-        after = _busy_cpu_seconds()
-        if before is None or after is None or (after - before) / 2 <= max_other:
-            return
-        if not said:
-            print(f"  waiting for other processes to go quiet (up to {max_wait:.0f} s)", flush=True)
-            said = True
-
-
 def _run_child(mode: str, args) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
-    if args.mmap_threshold:
-        env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
-    repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH")) if p)
+    malloc = {"MALLOC_MMAP_THRESHOLD_": str(args.mmap_threshold)} if args.mmap_threshold else {}
+    env = h.child_env(args.threads, h.REPO_ROOT, TRANSFORMERS_VERBOSITY="error", **malloc)
     cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--recipe", args.recipe]
     cmd += ["--chunk", str(args.chunk), "--threads", str(args.threads), "--steps", str(args.steps)]
-    _wait_quiet(args.max_other_load, args.max_wait)
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("@@RESULT ")]
-    if not lines:
-        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        return {"error": f"child exited {proc.returncode}: {tail}"[:300], "traceback": proc.stderr[-4000:]}
-    res = json.loads(lines[-1][len("@@RESULT ") :])
-    if "error" not in res:
-        res["loaded"] = bool(res["other_cores_busy"] > args.max_other_load)
-    return res
+    # peak memory does not depend on load: a disturbed child is flagged, not rerun
+    return h.run_child_when_quiet(cmd, env, max_other=args.max_other_load, max_wait=args.max_wait, limit=300)
 
 
 def main() -> None:
@@ -217,7 +162,7 @@ def main() -> None:
     parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        _child_main(args)
+        h.run_and_emit(lambda: _child(args.child, args.recipe, args.chunk, args.threads, args.steps), 300)
         return
     if args.quick:
         args.steps, args.repeats = 1, 1
@@ -249,11 +194,10 @@ def main() -> None:
         if "error" in out:
             continue
         runs = out["runs"]
-        times = [t for r in runs for t in r["times"]]
         out.update(
             increase_mb=statistics.median(r["increase_mb"] for r in runs),
             before_mb=statistics.median(r["before_mb"] for r in runs),
-            median_s=statistics.median(times), min_s=min(times), loaded_runs=sum(r["loaded"] for r in runs),
+            **h.time_stats(t for r in runs for t in r["times"]), loaded_runs=sum(r["loaded"] for r in runs),
         )  # fmt: skip
 
     method = next((r["method"] for m in results.values() for r in m.get("runs", [])), "n/a")
@@ -280,7 +224,7 @@ def main() -> None:
         flag = " (loaded)" if m["loaded_runs"] else ""
         print(
             f"| {LABELS[mode]} | {chunk} | {m['before_mb']:.0f} | {m['increase_mb']:.1f} | {mem_ratio} "
-            f"| {m['median_s']:.2f} ({m['min_s']:.2f}){flag} | {time_ratio} |"
+            f"| {h.fmt_median_min(m, '.2f')}{flag} | {time_ratio} |"
         )
     ratios = {}
     c, u, q = (results[k] for k in MODES)

@@ -57,7 +57,7 @@ import subprocess
 import sys
 import time
 
-from calibrate import _busy_cpu_seconds  # sibling benchmark (stdlib only)
+import _harness as h
 
 CONFIGS = ["FP8_DEFAULT_CFG", "NVFP4_DEFAULT_CFG", "INT4_BLOCKWISE_WEIGHT_ONLY_CFG"]
 QUICK_CONFIGS = ["FP8_DEFAULT_CFG", "NVFP4_DEFAULT_CFG"]
@@ -106,7 +106,7 @@ def _child(which: str, config: str, threads: int, warmup: int, steps: int) -> di
 
         def on_step_begin(self, args, state, control, **kwargs):
             if self.step == warmup:  # first timed step: start the load window
-                self.window = (_busy_cpu_seconds(), time.process_time(), time.perf_counter())
+                self.window = h.CpuMark.now()
             self.timing = self.step >= warmup
             self.start = time.perf_counter()
 
@@ -147,13 +147,9 @@ def _child(which: str, config: str, threads: int, warmup: int, steps: int) -> di
         start = time.perf_counter()
         trainer.train()
         train_s = time.perf_counter() - start
-        end = (_busy_cpu_seconds(), time.process_time(), time.perf_counter())
+        others = timer.window.since()[1] if timer.window is not None else float("nan")
     if len(timer.times) != steps:
         return {"error": f"timed {len(timer.times)} steps, expected {steps}"}
-    others = float("nan")
-    if timer.window is not None and timer.window[0] is not None and end[0] is not None:
-        busy, own, wall = (e - s for e, s in zip(end, timer.window, strict=True))
-        others = max(0.0, (busy - own) / wall)
     quantizers = [m for m in model.modules() if any(c.__name__ == "TensorQuantizer" for c in type(m).__mro__)]
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     return {
@@ -162,17 +158,6 @@ def _child(which: str, config: str, threads: int, warmup: int, steps: int) -> di
         "torch": torch.__version__, "gc_s_per_step": timer.gc_seconds / steps,
         "gc_runs_per_step": timer.gc_runs / steps,
     }  # fmt: skip
-
-
-def _child_main(args) -> None:
-    try:
-        result = _child(args.child, args.config, args.threads, args.warmup, args.steps)
-    except Exception as err:
-        import traceback
-
-        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        result = {"error": f"{type(err).__name__}: {first}"[:300], "traceback": traceback.format_exc()}
-    print("@@RESULT " + json.dumps(result), flush=True)
 
 
 # ---------------------------------------------------------------------------------------------- parent
@@ -231,59 +216,35 @@ def _borrow(python: str) -> tuple[str | None, list[str], str | None]:
     return shim, borrowed, err
 
 
-def _wait_quiet(max_other: float, max_wait: float) -> None:
-    """Wait (at most ``max_wait`` s) until other processes keep <= ``max_other`` cores busy over 2 s."""
-    deadline, said = time.monotonic() + max_wait, False
-    while time.monotonic() < deadline:
-        before = _busy_cpu_seconds()
-        time.sleep(2)
-        after = _busy_cpu_seconds()
-        if before is None or after is None or (after - before) / 2 <= max_other:
-            return
-        if not said:
-            print(f"  waiting for other processes to go quiet (up to {max_wait:.0f} s)", flush=True)
-            said = True
-
-
 def _run_child(which: str, config: str, python: str, extra_path: str | None, args) -> dict:
     """Run one ``train()`` in a fresh process after waiting for a quiet machine; rerun while other
     processes kept > ``--max-other-load`` cores busy during its timed steps (if every try was disturbed, the
     least disturbed one is kept, flagged ``loaded``)."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", TOKENIZERS_PARALLELISM="false")
-    env.pop("PYTHONPATH", None)
-    if extra_path:
-        env["PYTHONPATH"] = extra_path
+    env = h.child_env(
+        args.threads, extra_path, keep_pythonpath=False, TRANSFORMERS_VERBOSITY="error",
+        TOKENIZERS_PARALLELISM="false",
+    )  # fmt: skip
     cmd = [python, os.path.abspath(__file__), "--child", which, "--config", config]
     cmd += ["--threads", str(args.threads), "--warmup", str(args.warmup), "--steps", str(args.steps)]
-    # a neutral working directory: the reference interpreter must not pick up this checkout by accident
-    cwd = os.path.dirname(python) or None
-    best = None
-    for attempt in range(args.retries + 1):
-        _wait_quiet(args.max_other_load, args.max_wait)
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("@@RESULT ")]
-        if not lines:
-            tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-            err = f"child exited {proc.returncode}: {tail}"[:300]
-            return {"error": err, "traceback": proc.stderr[-4000:]}
-        res = json.loads(lines[-1][len("@@RESULT ") :])
-        if "error" in res:
-            return res
-        res["loaded"] = bool(res["other_cores_busy"] > args.max_other_load)
+
+    def show(res: dict) -> None:
         times = ", ".join(f"{t:.3f}" for t in res["times"])
         print(
             f"  {which:<5} {config}: {times} s/step; train() {res['train_s']:.1f} s, loss "
             f"{res['final_loss']:.3f}, {res['enabled_quantizers']}/{res['quantizers']} quantizers on, gc "
             f"{res['gc_s_per_step']:.3f} s/step; others {res['other_cores_busy']:.2f} cores", flush=True,
         )  # fmt: skip
-        if not res["loaded"]:
-            return res
-        if best is None or res["other_cores_busy"] < best["other_cores_busy"]:
-            best = res
-        note = ", retrying" if attempt < args.retries else "; keeping the least disturbed (flagged loaded)"
+
+    def disturbed(res: dict, retrying: bool) -> None:
+        note = ", retrying" if retrying else "; keeping the least disturbed (flagged loaded)"
         print(f"  {which} {config}: disturbed{note}", flush=True)
-    return best
+
+    return h.run_child_when_quiet(
+        cmd, env, max_other=args.max_other_load, max_wait=args.max_wait, retries=args.retries,
+        # a neutral working directory: the reference interpreter must not pick up this checkout by accident
+        cwd=os.path.dirname(python) or None, limit=300, keep_least_disturbed=True, on_result=show,
+        on_disturbed=disturbed,
+    )  # fmt: skip
 
 
 def _pool(runs: list[dict]) -> dict:
@@ -291,9 +252,8 @@ def _pool(runs: list[dict]) -> dict:
     for res in runs:
         if "error" in res:
             return {"error": res["error"], "traceback": res.get("traceback", "")}
-    times = [t for res in runs for t in res["times"]]
     return {
-        "runs": runs, "median_s": statistics.median(times), "min_s": min(times),
+        "runs": runs, **h.time_stats(t for res in runs for t in res["times"]),
         "loaded_runs": sum(r["loaded"] for r in runs),
         "enabled_quantizers": runs[0]["enabled_quantizers"], "quantizers": runs[0]["quantizers"],
         "final_loss": statistics.median(r["final_loss"] for r in runs),
@@ -319,7 +279,7 @@ def _cell(m: dict | None, plain: dict) -> tuple[str, str]:
     ratio = "n/a"
     if "error" not in plain:
         ratio = f"{m['median_s'] / plain['median_s']:.2f}x ({m['min_s'] / plain['min_s']:.2f}x)"
-    return f"{m['median_s']:.3f} ({m['min_s']:.3f}){flag}", ratio
+    return h.fmt_median_min(m) + flag, ratio
 
 
 def main() -> None:
@@ -344,12 +304,11 @@ def main() -> None:
     parser.add_argument("--config", default="none", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        _child_main(args)
+        h.run_and_emit(lambda: _child(args.child, args.config, args.threads, args.warmup, args.steps), 300)
         return
     if args.quick:
         args.steps, args.warmup = 2, 1
     configs = args.configs or (QUICK_CONFIGS if args.quick else CONFIGS)
-    repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
     print(
         f"tiny Llama (hidden 256, 4 layers, vocab {VOCAB}), fp32, batch {BATCH}x{SEQ}; threads "
@@ -377,9 +336,9 @@ def main() -> None:
 
     runs: dict[tuple[str, str], list[dict]] = {}
     for _ in range(args.rounds):
-        jobs = [("plain", "none", sys.executable, repo_root)]
+        jobs = [("plain", "none", sys.executable, h.REPO_ROOT)]
         for config in configs:
-            jobs.append(("ours", config, sys.executable, repo_root))
+            jobs.append(("ours", config, sys.executable, h.REPO_ROOT))
             if ref_ok:
                 jobs.append(("ref", config, ref_python, ref_path))
         jobs.append(jobs[0])  # the baseline again at the end: drift hits it like the others

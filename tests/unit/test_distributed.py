@@ -118,6 +118,7 @@ def test_qat_trainer_under_ddp_calibrates_on_shares_and_warns_about_dropped_fsdp
     )
 
 
+@pytest.mark.slow
 def test_qat_under_fsdp2_resumes_exactly(tmp_path):
     _torchrun("qat_fsdp2", "6", tmp_path / "full")
     _torchrun("qat_fsdp2", "3", tmp_path / "split")

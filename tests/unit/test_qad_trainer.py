@@ -45,6 +45,7 @@ def _trained_teacher(tmp_path):
     return teacher.eval()
 
 
+@pytest.mark.slow
 def test_qad_lowers_the_kl_to_the_teacher_and_keeps_it_frozen(tmp_path):
     teacher = _trained_teacher(tmp_path)
     before_teacher = {k: v.clone() for k, v in teacher.state_dict().items()}

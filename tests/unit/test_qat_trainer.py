@@ -194,6 +194,7 @@ def test_save_model_is_restorable_by_mto_and_from_pretrained(tmp_path):
     assert torch.equal(loaded(ids).logits, expected)
 
 
+@pytest.mark.slow
 def test_qat_lowers_the_training_loss(tmp_path):
     args = cpu_args(tmp_path, max_steps=40, learning_rate=3e-3, lr_scheduler_type="constant")
     trainer = QATTrainer(model=tiny_llama(), args=args, train_dataset=CountingData(n=64), quant_args=NVFP4)

@@ -13,7 +13,6 @@ Scenarios (``<scenario> <kind> <outdir>``):
 
 import gc
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -24,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import modelopt_lite.quantization as mtq
 from modelopt_lite.export import export_hf_checkpoint
 from tests.unit._dist_worker import CONFIG, MODELS, batches, shard
+from tests.unit._dist_worker import main as run_worker
 from tests.unit._models import tiny_llama
 
 #: awq: NVFP4 AWQ-lite (coarse search), so that the export folds pre_quant_scale into sharded norms (through
@@ -117,15 +117,5 @@ def memory(kind: str, out: Path, rank: int) -> None:
 SCENARIOS = {"export": export_sharded, "memory": memory}
 
 
-def main() -> None:
-    scenario, kind, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
-    dist.init_process_group("gloo")
-    try:
-        SCENARIOS[scenario](kind, out, dist.get_rank())
-    finally:
-        dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    main()
+    run_worker(SCENARIOS)

@@ -244,18 +244,19 @@ SCENARIOS = {
 }
 
 
-def main() -> None:
+def main(scenarios=SCENARIOS) -> None:
+    """``<worker> SCENARIO KIND OUT_DIR`` under torchrun (other workers pass their own scenarios)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     scenario, kind, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
     if scenario.startswith("qat_"):  # the Trainer's accelerate state sets up the process group
-        SCENARIOS[scenario](kind, out, int(os.environ["RANK"]))
+        scenarios[scenario](kind, out, int(os.environ["RANK"]))
         return
     dist.init_process_group("gloo")
     try:
-        SCENARIOS[scenario](kind, out, dist.get_rank())
+        scenarios[scenario](kind, out, dist.get_rank())
     finally:
         dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     main()

@@ -254,6 +254,7 @@ def main(scenarios=SCENARIOS) -> None:
     dist.init_process_group("gloo")
     try:
         scenarios[scenario](kind, out, dist.get_rank())
+        dist.barrier()  # both ranks done before teardown (a rank leaving first made gloo abort at exit)
     finally:
         dist.destroy_process_group()
 

@@ -31,6 +31,7 @@ from modelopt_lite.distributed import is_sharded
 from modelopt_lite.export import export_hf_checkpoint
 from modelopt_lite.logging import get_logger
 from modelopt_lite.training import DistillationArguments, QADTrainer, QATTrainer, QuantizationArguments
+from modelopt_lite.training.calib_data import read_texts
 
 logger = get_logger("modelopt_lite.examples.llm_qat")
 
@@ -120,11 +121,7 @@ def load_texts(data: DataArguments) -> tuple[list[str], list[str]]:
     if not path.is_file():
         raise SystemExit(f"--dataset {path}: no such file")
     if path.suffix in (".json", ".jsonl"):
-        raw = path.read_text(encoding="utf-8")
-        records = (
-            json.loads(raw) if path.suffix == ".json" else [json.loads(x) for x in raw.splitlines() if x]
-        )
-        texts = [r["text"] for r in records]
+        texts = read_texts(path)
     else:
         texts = [t for t in path.read_text(encoding="utf-8").split("\n\n") if t.strip()]
     cut = max(1, int(len(texts) * (1 - data.heldout_percent / 100)))

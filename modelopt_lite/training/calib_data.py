@@ -10,10 +10,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["calibration_samples"]
+__all__ = ["calibration_samples", "read_texts"]
 
 
-def _read_texts(path: Path) -> list[str]:
+def read_texts(path: Path) -> list[str]:
+    """The texts of a local file: the whole ``.txt``, or the ``"text"`` field of each ``.json`` / ``.jsonl``
+    record."""
     if path.suffix == ".txt":
         return [path.read_text(encoding="utf-8")]
     if path.suffix in (".json", ".jsonl"):
@@ -35,7 +37,7 @@ def calibration_samples(path: str | Path, tokenizer: Any, seq_len: int) -> list[
     if tokenizer is None:
         raise ValueError("calib_dataset is a file: pass processing_class=tokenizer to the trainer")
     ids: list[int] = []
-    for text in _read_texts(path):
+    for text in read_texts(path):
         ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
     if len(ids) < seq_len:
         raise ValueError(f"calibration data {path} has {len(ids)} tokens, fewer than calib_seq_len={seq_len}")

@@ -212,3 +212,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 if __name__ == "__main__":
     main()
+    if torch.distributed.is_initialized():  # all ranks finish before gloo tears down (else: abort at exit)
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()

@@ -248,15 +248,15 @@ def main(scenarios=SCENARIOS) -> None:
     """``<worker> SCENARIO KIND OUT_DIR`` under torchrun (other workers pass their own scenarios)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     scenario, kind, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
-    if scenario.startswith("qat_"):  # the Trainer's accelerate state sets up the process group
-        scenarios[scenario](kind, out, int(os.environ["RANK"]))
-        return
-    dist.init_process_group("gloo")
+    if not scenario.startswith("qat_"):  # for qat_*, the Trainer's accelerate state sets up the group
+        dist.init_process_group("gloo")
     try:
-        scenarios[scenario](kind, out, dist.get_rank())
-        dist.barrier()  # both ranks done before teardown (a rank leaving first made gloo abort at exit)
+        scenarios[scenario](kind, out, int(os.environ["RANK"]))
+        if dist.is_initialized():
+            dist.barrier()  # both ranks done before teardown (a rank leaving first made gloo abort at exit)
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

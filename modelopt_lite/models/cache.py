@@ -4,14 +4,18 @@ Directory: ``$MODELOPT_LITE_CACHE/default_models/<name>-<version>/`` (``$MODELOP
 ``$XDG_CACHE_HOME/modelopt_lite``, else ``~/.cache/modelopt_lite``). A model is trained into a hidden
 temporary directory beside it and renamed into place only when complete (``default_model.json`` is written
 last), so an interrupted or failed training never leaves a half model; a complete directory is reused.
+Builders of one model take turns (a lock file beside it): the second reuses the first one's model, and a
+staging directory left by a killed builder is removed by the next one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -53,23 +57,54 @@ def build_default_model(spec: DefaultModelSpec, *, force: bool = False, progress
         logger.info("default model %s: reusing %s", spec.name, target)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{spec.dirname}.partial-", dir=target.parent))
-    try:
-        result = train(spec, progress=progress)
-        result.model.save_pretrained(staging)
-        result.tokenizer.save_pretrained(staging)
-        info = {"name": spec.name, "version": spec.version, "modelopt_lite": __version__,
-                "torch": torch.__version__, "spec": spec.to_json(), "report": result.report}  # fmt: skip
-        (staging / MARKER).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
-        if _complete(target) and not force:  # another process finished first: keep its (identical) model
-            shutil.rmtree(staging)
-        else:
-            _move_into_place(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    with _builder_lock(target) as exclusive:
+        if _complete(target) and not force:  # another process built it while this one waited
+            logger.info("default model %s: reusing %s (built by another process)", spec.name, target)
+            return target
+        if exclusive:  # no other builder runs: any staging directory left is a killed process's
+            for stale in target.parent.glob(f".{spec.dirname}.partial-*"):
+                logger.info("removing %s, left by an interrupted build", stale)
+                shutil.rmtree(stale, ignore_errors=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{spec.dirname}.partial-", dir=target.parent))
+        try:
+            result = train(spec, progress=progress)
+            result.model.save_pretrained(staging)
+            result.tokenizer.save_pretrained(staging)
+            info = {"name": spec.name, "version": spec.version, "modelopt_lite": __version__,
+                    "torch": torch.__version__, "spec": spec.to_json(), "report": result.report}  # fmt: skip
+            (staging / MARKER).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+            if _complete(target) and not force:  # another process finished first: keep its (identical) model
+                shutil.rmtree(staging)
+            else:
+                _move_into_place(staging, target)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
     logger.info("default model %s written to %s", spec.name, target)
     return target
+
+
+@contextlib.contextmanager
+def _builder_lock(target: Path) -> Iterator[bool]:
+    """One builder per model directory: a second process (another rank, another shell) waits for the first
+    and then reuses its model instead of training the same model again. Yields whether the lock is held (an
+    advisory ``flock`` on ``.<name>.lock``, released by the kernel when a holder dies; where ``fcntl`` is
+    missing, no lock: builders race and the first rename wins)."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        yield False
+        return
+    with open(target.parent / f".{target.name}.lock", "a+b") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("default model %s: another process is building it; waiting", target.name)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield True
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _move_into_place(staging: Path, target: Path) -> None:

@@ -163,6 +163,11 @@ def test_cache_root_follows_the_environment(tmp_path, monkeypatch):
     assert cache_root() == tmp_path / "xdg" / "modelopt_lite" / "default_models"
 
 
+def _entries() -> list[str]:
+    """What the cache holds, without the builders' lock files."""
+    return sorted(p.name for p in cache_root().iterdir() if not p.name.endswith(".lock"))
+
+
 def _interrupt_after(monkeypatch, steps: int, exc: BaseException) -> None:
     """Raise ``exc`` in the middle of the training loop, after ``steps`` optimizer steps."""
     real, calls = torch.nn.utils.clip_grad_norm_, []
@@ -181,7 +186,7 @@ def test_interrupted_training_leaves_nothing(monkeypatch, exc):
     _interrupt_after(monkeypatch, 2, exc)
     with pytest.raises(type(exc)):
         build_default_model(tiny(DENSE), progress=False)
-    assert list(cache_root().iterdir()) == []  # no model, no partial directory
+    assert _entries() == []  # no model, no partial directory
 
 
 def test_failed_save_leaves_nothing(monkeypatch):
@@ -193,7 +198,7 @@ def test_failed_save_leaves_nothing(monkeypatch):
     monkeypatch.setattr(PreTrainedTokenizerFast, "save_pretrained", broken)  # after the weights are written
     with pytest.raises(OSError, match="no space"):
         build_default_model(tiny(DENSE), progress=False)
-    assert list(cache_root().iterdir()) == []
+    assert _entries() == []
 
 
 def test_reused_from_cache_without_training(monkeypatch, lib_caplog):
@@ -217,7 +222,57 @@ def test_reused_from_cache_without_training(monkeypatch, lib_caplog):
     with pytest.raises(AssertionError, match="retrained"):
         build_default_model(spec, force=True, progress=False)  # force trains again
     assert weights.stat().st_mtime_ns == mtime  # and the failed retraining kept the old model
-    assert sorted(p.name for p in cache_root().iterdir()) == [spec.dirname]
+    assert _entries() == [spec.dirname]
+
+
+def test_a_killed_builders_staging_directory_is_removed_by_the_next_build(lib_caplog):
+    lib_caplog.set_level("INFO", logger="modelopt_lite")
+    spec = tiny(DENSE)
+    stale = cache_root() / f".{spec.dirname}.partial-dead1234"  # what SIGKILL in the middle leaves
+    (stale / "sub").mkdir(parents=True)
+    (stale / "model.safetensors").write_bytes(b"half")
+    other = cache_root() / ".another-model-0123456789.partial-x"  # another model's build: not touched
+    other.mkdir()
+    path = build_default_model(spec, progress=False)
+    assert not stale.exists()
+    assert other.exists()
+    assert f"removing {stale}" in lib_caplog.text
+    assert _entries() == sorted([spec.dirname, other.name])
+    assert cache_mod._complete(path)
+
+
+def test_a_second_builder_waits_for_the_first_and_reuses_its_model(monkeypatch, lib_caplog):
+    import fcntl
+    import threading
+
+    lib_caplog.set_level("INFO", logger="modelopt_lite")
+    spec = tiny(DENSE)
+    built = build_default_model(spec, progress=False)  # a complete model to hand over
+    target = cache_root() / spec.dirname
+    parked = cache_root() / "parked"
+    built.rename(parked)
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("trained while another builder held the lock")
+
+    monkeypatch.setattr(trainer, "train", no_training)
+    result: dict[str, object] = {}
+    with open(cache_root() / f".{spec.dirname}.lock", "a+b") as lock:  # the first builder, mid-training
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        waiter = threading.Thread(
+            target=lambda: result.update(path=build_default_model(spec, progress=False))
+        )
+        waiter.start()
+        waiter.join(timeout=1.0)
+        assert waiter.is_alive()  # waits instead of training the same model a second time
+        assert not any(p.name.startswith(f".{spec.dirname}.partial-") for p in cache_root().iterdir())
+        parked.rename(target)  # the first builder finishes
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    waiter.join(timeout=30)
+    assert not waiter.is_alive()
+    assert result["path"] == target
+    assert "another process is building it; waiting" in lib_caplog.text
+    assert "(built by another process)" in lib_caplog.text
 
 
 def test_force_replaces_the_cached_model():
@@ -226,7 +281,7 @@ def test_force_replaces_the_cached_model():
     before = (path / "model.safetensors").stat().st_mtime_ns
     assert build_default_model(spec, force=True, progress=False) == path
     assert (path / "model.safetensors").stat().st_mtime_ns != before
-    assert sorted(p.name for p in cache_root().iterdir()) == [spec.dirname]
+    assert _entries() == [spec.dirname]
 
 
 def test_default_model_path_and_load(tiny_specs):

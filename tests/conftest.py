@@ -1,6 +1,7 @@
-"""Shared test setup: offline hub, fixed seeds, and Triton's interpreter on machines without CUDA (the
-kernels are then run on CPU tensors and compared with the reference functions)."""
+"""Shared test setup: offline hub, fixed seeds, an unfrozen garbage collector, and Triton's interpreter on
+machines without CUDA (the kernels are then run on CPU tensors and compared with the reference functions)."""
 
+import gc
 import logging
 import os
 
@@ -17,6 +18,14 @@ import pytest
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _gc_unfrozen():
+    """The trainers freeze the garbage collector while they train: no test starts or leaves it frozen."""
+    gc.unfreeze()
+    yield
+    gc.unfreeze()
 
 
 @pytest.fixture

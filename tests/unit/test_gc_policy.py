@@ -13,13 +13,6 @@ class _Node:
         self.me = self  # a reference cycle: only the cyclic collector frees it
 
 
-@pytest.fixture(autouse=True)
-def _no_leftover_freeze():
-    gc.unfreeze()
-    yield
-    gc.unfreeze()
-
-
 def test_freeze_from_the_second_step_and_unfreeze_on_close():
     policy = GCPolicy()
     counts = []

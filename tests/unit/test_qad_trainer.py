@@ -1,8 +1,6 @@
 """QADTrainer: teacher handling, chunked loss equal to the unchunked one, KL to the teacher goes down, and
 the bad-input list."""
 
-import gc
-
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -15,13 +13,6 @@ from ._models import tiny_llama, tiny_qwen3_moe
 from ._training import CountingData, cpu_args, step_losses
 
 NVFP4 = QuantizationArguments(recipe="NVFP4_DEFAULT_CFG", calib_size=8)
-
-
-@pytest.fixture(autouse=True)
-def _unfrozen():
-    gc.unfreeze()
-    yield
-    gc.unfreeze()
 
 
 def _kl(student, teacher, ids):

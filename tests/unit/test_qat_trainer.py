@@ -38,13 +38,6 @@ class _RaiseAt(TrainerCallback):
             raise RuntimeError("boom")
 
 
-@pytest.fixture(autouse=True)
-def _unfrozen():
-    gc.unfreeze()
-    yield
-    gc.unfreeze()
-
-
 def _state(model):
     tensors = {k: v.clone() for k, v in model.state_dict().items()}
     return tensors, {n: q.extra_repr() for n, q in iter_quantizers(model)}

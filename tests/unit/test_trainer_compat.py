@@ -1,8 +1,6 @@
 """What users already do with Trainer keeps working with QATTrainer / QADTrainer: gradient accumulation,
 bf16 autocast, report_to (tensorboard, wandb offline), load_best_model_at_end, torch.compile."""
 
-import gc
-
 import pytest
 import torch
 
@@ -14,13 +12,6 @@ from ._models import tiny_llama
 from ._training import CountingData, cpu_args, step_losses
 
 NVFP4 = QuantizationArguments(recipe="NVFP4_DEFAULT_CFG", calib_size=8)
-
-
-@pytest.fixture(autouse=True)
-def _unfrozen():
-    gc.unfreeze()
-    yield
-    gc.unfreeze()
 
 
 class _Masked(CountingData):

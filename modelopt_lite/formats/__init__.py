@@ -5,6 +5,7 @@ from ._blocks import BlockLayout
 from .fp8 import fp8_fake_quant
 from .functional import fake_quant, fake_quant_reference, reduce_amax, reduce_axes, reduce_like_amax
 from .integer import int_bounds, int_fake_quant
+from .learnable import fake_quant_learnable, learnable_amax_error
 from .mx import mx_fake_quant, mx_scale_exponent
 from .nvfp4 import (
     nvfp4_block_scales,
@@ -22,10 +23,12 @@ __all__ = [
     "FormatSpec",
     "e2m1_round",
     "fake_quant",
+    "fake_quant_learnable",
     "fake_quant_reference",
     "fp8_fake_quant",
     "int_bounds",
     "int_fake_quant",
+    "learnable_amax_error",
     "minifloat_round",
     "mx_fake_quant",
     "mx_scale_exponent",

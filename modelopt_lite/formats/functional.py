@@ -18,7 +18,15 @@ from .mx import mx_fake_quant
 from .nvfp4 import nvfp4_fake_quant
 from .spec import FormatSpec
 
-__all__ = ["fake_quant", "fake_quant_reference", "reduce_amax", "reduce_axes", "reduce_like_amax"]
+__all__ = [
+    "broadcast_amax",
+    "dispatch_fake_quant",
+    "fake_quant",
+    "fake_quant_reference",
+    "reduce_amax",
+    "reduce_axes",
+    "reduce_like_amax",
+]
 
 
 def reduce_axes(spec: FormatSpec, ndim: int) -> tuple[int, ...] | None:
@@ -119,7 +127,8 @@ def fake_quant_reference(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor |
     return layout.merge(map_rows(apply, blocks, *params)).to(x.dtype)
 
 
-def _dispatch(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None) -> torch.Tensor:
+def dispatch_fake_quant(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None) -> torch.Tensor:
+    """Fake quant without autograd: the Triton kernel on CUDA where it applies, else the reference."""
     if x.is_cuda:
         from . import triton_kernels
 
@@ -129,16 +138,21 @@ def _dispatch(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None) -> t
     return fake_quant_reference(x, spec, amax)
 
 
-def _clip_amax(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None):
-    """The calibrated amax broadcast against ``x`` for clipped backward; ``None`` when nothing clips."""
-    if amax is None or spec.kind == "mx" or (spec.dynamic and spec.kind != "nvfp4"):
-        return None
-    amax = amax.detach()
+def broadcast_amax(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor) -> torch.Tensor:
+    """A static amax (per tensor, per channel or per block) as a tensor that broadcasts against ``x``:
+    per-block amax are expanded to the elements of their blocks."""
     if spec.block_axes and spec.kind != "nvfp4":
         layout = BlockLayout.build(x.shape, spec.block_sizes)
         per_block = amax.reshape(-1, 1).expand(layout.num_blocks(), layout.block_numel)
         return layout.merge(per_block.contiguous())
     return amax
+
+
+def _clip_amax(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None):
+    """The calibrated amax broadcast against ``x`` for clipped backward; ``None`` when nothing clips."""
+    if amax is None or spec.kind == "mx" or (spec.dynamic and spec.kind != "nvfp4"):
+        return None
+    return broadcast_amax(x, spec, amax.detach())
 
 
 class _FakeQuantSTE(torch.autograd.Function):
@@ -149,7 +163,7 @@ class _FakeQuantSTE(torch.autograd.Function):
         if clip_amax is not None:
             ctx.save_for_backward(x, clip_amax)
         ctx.clip = clip_amax is not None
-        return _dispatch(x, spec, amax)
+        return dispatch_fake_quant(x, spec, amax)
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
@@ -173,5 +187,5 @@ def fake_quant(
     """
     clip_amax = _clip_amax(x, spec, amax) if clip_gradient and x.requires_grad else None
     if not torch.is_grad_enabled() or not x.requires_grad:
-        return _dispatch(x, spec, amax)
+        return dispatch_fake_quant(x, spec, amax)
     return _FakeQuantSTE.apply(x, spec, amax, clip_amax)

@@ -2,8 +2,13 @@
 
 Attributes users set (directly, through :meth:`TensorQuantizer.configure` or through configs):
 ``num_bits``, ``axis``, ``block_sizes``, ``unsigned``, ``narrow_range``, ``enable``, ``fake_quant``,
-``backward`` (``"pass_through"`` or ``"clipped"``), ``calibrator`` and ``pre_quant_scale``. Every change
-is validated at once; a bad value raises naming the attribute and the allowed values.
+``backward`` (``"pass_through"`` or ``"clipped"``), ``learn_amax``, ``calibrator`` and ``pre_quant_scale``.
+Every change is validated at once; a bad value raises naming the attribute and the allowed values.
+
+``learn_amax=True`` makes a static amax (INT / FP8, per tensor, channel or block) an ``nn.Parameter``
+(``<quantizer>._amax``) that an optimizer trains: the forward is unchanged, the backward gives the amax an
+LSQ gradient and zeroes the input's gradient where it was clipped (:mod:`modelopt_lite.formats.learnable`).
+It is still calibrated first, saved and restored as the amax buffer is, and exported like any amax.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from ..formats import FormatSpec, fake_quant, resolve_format
+from ..formats import FormatSpec, fake_quant, fake_quant_learnable, learnable_amax_error, resolve_format
 from .calibrators import Calibrator, make_calibrator
 
 __all__ = ["QuantizerAttributes", "TensorQuantizer"]
@@ -37,9 +42,17 @@ class QuantizerAttributes:
     backward: Literal["pass_through", "clipped"] = "pass_through"
     calibrator: str = "max"
     calibrator_options: dict[str, Any] = field(default_factory=dict)
+    learn_amax: bool = False
 
     def spec(self) -> FormatSpec:
-        return resolve_format(self.num_bits, self.axis, self.block_sizes, self.unsigned, self.narrow_range)
+        spec = resolve_format(self.num_bits, self.axis, self.block_sizes, self.unsigned, self.narrow_range)
+        if self.learn_amax is not False:
+            if self.learn_amax is not True:
+                raise ValueError(f"learn_amax={self.learn_amax!r} must be True or False")
+            reason = learnable_amax_error(spec)
+            if reason is not None and self.enable:
+                raise ValueError(f"learn_amax=True: {reason}")
+        return spec
 
 
 class TensorQuantizer(nn.Module):
@@ -83,8 +96,11 @@ class TensorQuantizer(nn.Module):
         except (ValueError, TypeError) as err:
             raise ValueError(f"{self.name}: {err}") from None
         if spec != self._spec:
-            self._amax = None  # an amax of another format / granularity means nothing here
+            self._store_amax(None)  # an amax of another format / granularity means nothing here
+        learn_changed = new.learn_amax != self._attrs.learn_amax
         self._attrs, self._spec, self._calibrator = new, spec, calibrator
+        if learn_changed and self._amax is not None:
+            self._store_amax(self._amax.detach().clone())  # a buffer becomes a Parameter, or back
         return self
 
     def set_attributes(self, attributes: QuantizerAttributes) -> TensorQuantizer:
@@ -128,17 +144,42 @@ class TensorQuantizer(nn.Module):
     # ----------------------------------------------------------------------- amax / scales
     @property
     def amax(self) -> torch.Tensor | None:
+        """The amax tensor (float32); an ``nn.Parameter`` when ``learn_amax`` is set."""
         return self._amax
 
     @amax.setter
     def amax(self, value: torch.Tensor | float | None) -> None:
         if value is None:
-            self._amax = None
+            self._store_amax(None)
             return
         value = torch.as_tensor(value, dtype=torch.float32).detach().clone()
         if not bool(torch.isfinite(value).all()) or bool((value < 0).any()):
             raise ValueError(f"{self.name}: amax must be finite and non-negative")
-        self._amax = value
+        self._store_amax(value)
+
+    @property
+    def learnable_amax(self) -> torch.nn.Parameter | None:
+        """The amax ``Parameter`` an optimizer trains (``learn_amax=True`` and an amax set), else ``None``."""
+        amax = self._parameters.get("_amax")
+        return amax if isinstance(amax, nn.Parameter) else None
+
+    def _store_amax(self, value: torch.Tensor | None) -> None:
+        """Set ``_amax``: a buffer, or a Parameter with ``learn_amax``. A Parameter of the same shape is
+        updated in place, so that an optimizer that holds it keeps training the new values."""
+        if value is None or not self._attrs.learn_amax:
+            if "_amax" in self._parameters:
+                del self._parameters["_amax"]
+                self.register_buffer("_amax", value)
+            else:
+                self._amax = value
+            return
+        current = self.learnable_amax
+        if current is not None and current.shape == value.shape:
+            with torch.no_grad():
+                current.copy_(value)
+            return
+        device = current.device if current is not None else value.device
+        self._amax = nn.Parameter(value.detach().to(device=device, dtype=torch.float32), requires_grad=True)
 
     @property
     def pre_quant_scale(self) -> torch.Tensor | None:
@@ -155,7 +196,7 @@ class TensorQuantizer(nn.Module):
         self._pre_quant_scale = value
 
     def reset_amax(self) -> None:
-        self._amax = None
+        self._store_amax(None)
         self._calibrator.reset()
 
     # ----------------------------------------------------------------------- modes
@@ -195,7 +236,7 @@ class TensorQuantizer(nn.Module):
                 f"{self.name}: no data reached this quantizer during calibration; "
                 "run a forward pass over calibration data or disable the quantizer"
             )
-        self._amax = amax.float()
+        self._store_amax(amax.float())
 
     def calibrate(self, x: torch.Tensor) -> TensorQuantizer:
         """Set ``amax`` from ``x`` alone (e.g. a weight): reset, collect ``x``, load the result."""
@@ -232,6 +273,8 @@ class TensorQuantizer(nn.Module):
                 "first (enable_calib, forward over data, load_calib_amax) or set .amax"
             )
         try:
+            if self._attrs.learn_amax:
+                return fake_quant_learnable(x, self._spec, self._amax)
             return fake_quant(x, self._spec, self._amax, clip_gradient=self._attrs.backward == "clipped")
         except ValueError as err:
             raise ValueError(f"{self.name}: {err}") from None
@@ -240,12 +283,17 @@ class TensorQuantizer(nn.Module):
     def _apply(self, fn, recurse=True):  # type: ignore[override]
         # amax and pre_quant_scale stay float32 under model.to(bfloat16) / .half(): a rounded amax would
         # change every quantized value. Device moves apply as usual.
+        # (A learnable amax Parameter gets its new data assigned in place, hence the detached references.)
         saved = {b: getattr(self, b) for b in _OPTIONAL_BUFFERS}
+        saved = {b: (t.detach() if t is not None else None) for b, t in saved.items()}
         super()._apply(fn, recurse)
         for buf, old in saved.items():
             new = getattr(self, buf)
             if old is not None and new is not None and new.dtype != old.dtype:
-                setattr(self, buf, old.to(device=new.device))
+                if isinstance(new, nn.Parameter):
+                    new.data = old.to(device=new.device)
+                else:
+                    setattr(self, buf, old.to(device=new.device))
         return self
 
     def allocate_buffers(self, shapes: dict[str, list[int]], device: torch.device | str = "cpu") -> None:
@@ -254,7 +302,8 @@ class TensorQuantizer(nn.Module):
         for buf, shape in shapes.items():
             if buf not in _OPTIONAL_BUFFERS:
                 raise ValueError(f"{self.name}: unknown buffer {buf!r} (allowed: {_OPTIONAL_BUFFERS})")
-            setattr(self, buf, torch.zeros(shape, dtype=torch.float32, device=device))
+            value = torch.zeros(shape, dtype=torch.float32, device=device)
+            self._store_amax(value) if buf == "_amax" else setattr(self, buf, value)
 
     def buffer_shapes(self) -> dict[str, list[int]]:
         return {b: list(getattr(self, b).shape) for b in _OPTIONAL_BUFFERS if getattr(self, b) is not None}
@@ -266,7 +315,8 @@ class TensorQuantizer(nn.Module):
             if key in state_dict:
                 ref = getattr(self, buf)
                 device = ref.device if ref is not None else state_dict[key].device
-                setattr(self, buf, state_dict[key].detach().clone().to(device=device, dtype=torch.float32))
+                value = state_dict[key].detach().clone().to(device=device, dtype=torch.float32)
+                self._store_amax(value) if buf == "_amax" else setattr(self, buf, value)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     # ----------------------------------------------------------------------- repr
@@ -292,4 +342,6 @@ class TensorQuantizer(nn.Module):
             parts.append("calib=on")
         if self._attrs.backward == "clipped":
             parts.append("backward=clipped")
+        if self._attrs.learn_amax:
+            parts.append("learn_amax")
         return " ".join(parts)

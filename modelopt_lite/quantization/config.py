@@ -38,7 +38,6 @@ _OURS = {f.name for f in fields(QuantizerAttributes)} - {"enable"}
 _INERT = {"effective_bits": (int, float, type(None)), "trt_high_precision_dtype": (str,)}
 # Reference attributes whose non-default values we do not implement.
 _DEFAULT_ONLY = {
-    "learn_amax": False,
     "bias": None,
     "rotate": False,
     "backend": None,

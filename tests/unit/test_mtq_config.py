@@ -82,8 +82,27 @@ def test_dict_form_default_is_the_fallback_wherever_it_is_written():
         ({"quant_cfg": [{"quantizer_name": "*"}]}, "needs 'cfg', 'enable'"),
         ({"quant_cfg": [{"quantizer_name": "*", "enable": False, "when": 1}]}, "unknown key"),
         (
-            {"quant_cfg": [{"quantizer_name": "*", "cfg": {"num_bits": 8, "learn_amax": True}}]},
+            {"quant_cfg": [{"quantizer_name": "*", "cfg": {"num_bits": 8, "rotate": True}}]},
             "not supported",
+        ),
+        (  # NVFP4's block scales come from the data: nothing to learn
+            {
+                "quant_cfg": [
+                    {
+                        "quantizer_name": "*weight_quantizer",
+                        "cfg": {
+                            "num_bits": (2, 1),
+                            "block_sizes": {-1: 16, "type": "dynamic", "scale_bits": (4, 3)},
+                            "learn_amax": True,
+                        },
+                    }
+                ]
+            },
+            "'\\*weight_quantizer'.*learn_amax=True: nvfp4 block16 has no amax to learn",
+        ),
+        (
+            {"quant_cfg": [{"quantizer_name": "*", "cfg": {"num_bits": 8, "learn_amax": "yes"}}]},
+            "learn_amax='yes' must be True or False",
         ),
         ({"quant_cfg": [], "algorithm": "magic"}, "algorithm='magic' is unknown"),
         ({"quant_cfg": "*"}, "quant_cfg must be"),

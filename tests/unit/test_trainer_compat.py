@@ -44,7 +44,10 @@ def test_qad_gradient_accumulation_equals_the_large_batch(tmp_path):
     accumulated = _qad(tmp_path / "acc", per_device_train_batch_size=2, gradient_accumulation_steps=2)
     assert step_losses(accumulated) == pytest.approx(step_losses(large), rel=1e-5)
     w_large, w_acc = large.model.state_dict(), accumulated.model.state_dict()
-    assert all(torch.allclose(w_large[k], w_acc[k], atol=1e-6) for k in w_large)
+    # 1e-5 = 1% of one Adam step (lr 1e-3): summing two half-batch gradients rounds differently from one
+    # large batch, and Adam's normalisation turns that into up to ~3e-6 on near-zero gradients (seen with
+    # transformers 5.24); a wrongly weighted accumulation moves weights by a whole step.
+    assert all(torch.allclose(w_large[k], w_acc[k], atol=1e-5) for k in w_large)
 
 
 def test_bf16_autocast_keeps_amax_in_float32(tmp_path):

@@ -3,10 +3,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from ..quantization import resolve_config
+from ..formats import learnable_amax_error
+from ..quantization import QuantizeConfig, resolve_config
+from ..quantization.config import ALGORITHMS, QuantRule
 
 __all__ = ["DistillationArguments", "QuantizationArguments"]
 
@@ -19,6 +23,21 @@ class QuantizationArguments:
         default="general/qat/nvfp4",
         metadata={"help": "Packaged recipe name (general/qat/nvfp4, ...), a preset name (NVFP4_DEFAULT_CFG) "
                   "or a path to a recipe YAML file."},
+    )  # fmt: skip
+    calib_algorithm: str | None = field(
+        default=None,
+        metadata={"help": f"Calibration algorithm instead of the recipe's ({', '.join(ALGORITHMS)}), so that "
+                  "training starts from that PTQ model; default: the recipe's own."},
+    )  # fmt: skip
+    learn_amax: bool = field(
+        default=False,
+        metadata={"help": "Train the amax of every static INT / FP8 quantizer of the recipe (per tensor, "
+                  "channel or block) with the model, starting from the calibrated value (LSQ gradient)."},
+    )  # fmt: skip
+    amax_lr_multiplier: float = field(
+        default=1.0,
+        metadata={"help": "Learning rate of learnable amax parameters relative to learning_rate (they get "
+                  "their own optimizer param group, without weight decay)."},
     )  # fmt: skip
     calib_size: int = field(default=512, metadata={"help": "Number of calibration samples."})
     calib_batch_size: int = field(default=1, metadata={"help": "Batch size of the calibration passes."})
@@ -40,7 +59,20 @@ class QuantizationArguments:
     )
 
     def __post_init__(self) -> None:
-        resolve_config(self.recipe)  # unknown names raise, listing presets and recipes
+        if self.calib_algorithm is not None and self.calib_algorithm not in ALGORITHMS:
+            raise ValueError(
+                f"calib_algorithm={self.calib_algorithm!r} is unknown (known: {', '.join(ALGORITHMS)})"
+            )
+        if not isinstance(self.learn_amax, bool):
+            raise ValueError(f"learn_amax={self.learn_amax!r} must be True or False")
+        multiplier = self.amax_lr_multiplier
+        if (
+            isinstance(multiplier, bool)
+            or not isinstance(multiplier, (int, float))
+            or not (math.isfinite(multiplier) and multiplier > 0)
+        ):
+            raise ValueError(f"amax_lr_multiplier={multiplier!r} must be a positive number")
+        self.quantize_config()  # unknown recipe names raise, listing presets and recipes
         for name in ("calib_size", "calib_batch_size", "calib_seq_len"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -51,6 +83,17 @@ class QuantizationArguments:
             raise ValueError(f"experts_implementation={self.experts_implementation!r} (allowed: {_EXPERTS})")
         if self.gc_refreeze_every is not None and self.gc_refreeze_every < 1:
             raise ValueError(f"gc_refreeze_every={self.gc_refreeze_every!r} must be >= 1 or unset")
+
+    def quantize_config(self) -> QuantizeConfig:
+        """The config the trainers quantize with: the recipe, with ``calib_algorithm`` replacing its
+        algorithm and, with ``learn_amax``, ``learn_amax: True`` added to every rule that sets a static INT /
+        FP8 quantizer (rules of NVFP4 / MX / dynamic quantizers are kept as written)."""
+        config = resolve_config(self.recipe)
+        if self.calib_algorithm is not None and self.calib_algorithm != config.algorithm_name:
+            config = QuantizeConfig(config.quant_cfg, self.calib_algorithm)
+        if self.learn_amax:
+            config = QuantizeConfig(tuple(_learnable(r) for r in config.quant_cfg), config.algorithm)
+        return config
 
 
 @dataclass
@@ -78,3 +121,17 @@ class DistillationArguments:
             raise ValueError("kd_loss_weight and ce_loss_weight must be >= 0 and not both 0")
         if self.distill_chunk_size < 1:
             raise ValueError(f"distill_chunk_size={self.distill_chunk_size!r} must be >= 1")
+
+
+def _learnable(rule: QuantRule) -> QuantRule:
+    """``rule`` with ``learn_amax: True`` in each stage whose format has a static amax to learn."""
+    stages = rule.attributes()
+    if stages is None or not any(learnable_amax_error(a.spec()) is None for a in stages):
+        return rule
+    cfgs = rule.cfg if isinstance(rule.cfg, tuple) else (rule.cfg,)
+    new: list[dict[str, Any]] = [
+        {**c, "learn_amax": True} if learnable_amax_error(a.spec()) is None else dict(c)
+        for c, a in zip(cfgs, stages, strict=True)
+    ]
+    cfg: Any = tuple(new) if isinstance(rule.cfg, tuple) else new[0]
+    return QuantRule(rule.quantizer_name, cfg, rule.enable, rule.parent_class)

@@ -31,7 +31,7 @@ from ..logging import get_logger
 from ..opt.checkpoint import STATE_FILE
 from ..opt.hf import attached
 from ..opt.state import modelopt_state, restore_from_modelopt_state
-from ..quantization import need_calibration, quant_state, quantize, resolve_config
+from ..quantization import need_calibration, quant_state, quantize
 from ..quantization.config import plain
 from .arguments import QuantizationArguments
 from .calib_data import calibration_samples
@@ -41,6 +41,33 @@ __all__ = ["QATTrainer"]
 
 logger = get_logger(__name__)
 _SAVE_SHARD_BYTES = 2 * 2**30
+
+
+def learnable_amax_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """``{parameter name: Parameter}`` of the learnable amax (``learn_amax=True``) in ``model``."""
+    return {n: p for n, p in model.named_parameters() if n.rsplit(".", 1)[-1] == "_amax"}
+
+
+class _AmaxCheckCallback(TrainerCallback):
+    """After each optimizer step: a learnable amax that reached zero or below quantizes everything it covers
+    to zero; stop with the quantizer's name instead of training on silently."""
+
+    def __init__(self, trainer: QATTrainer):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        params = self.trainer._amax_params
+        if not params:
+            return
+        with torch.no_grad():
+            lowest = torch.stack([p.detach().min() for p in params.values()])
+        if bool((lowest <= 0).any()):
+            name = list(params)[int(lowest.argmin())]
+            raise RuntimeError(
+                f"step {state.global_step}: the learnable amax {name} went to {float(lowest.min()):.3g} "
+                f"(<= 0); lower QuantizationArguments.amax_lr_multiplier "
+                f"({self.trainer.quant_args.amax_lr_multiplier}) or the learning rate"
+            )
 
 
 class _GCCallback(TrainerCallback):
@@ -96,6 +123,8 @@ class QATTrainer(Trainer):
         self.calib_dataset = calib_dataset
         self.gc_policy = GCPolicy(self.quant_args.manual_gc, self.quant_args.gc_refreeze_every)
         self.add_callback(_GCCallback(self.gc_policy))
+        self._amax_params: dict[str, torch.nn.Parameter] = {}
+        self.add_callback(_AmaxCheckCallback(self))
         self._check_launch()
 
     def _check_launch(self) -> None:
@@ -149,7 +178,7 @@ class QATTrainer(Trainer):
         for start in range(0, len(samples), bs):
             batch = self.data_collator(samples[start : start + bs])
             batches.append({k: v.to(self.args.device) for k, v in batch.items() if k != "labels"})
-        if world_size() > 1 and resolve_config(self.quant_args.recipe).algorithm_name == "max":
+        if world_size() > 1 and self.quant_args.quantize_config().algorithm_name == "max":
             # each rank calibrates on its share; the statistics are merged across ranks (max)
             return batches[rank() :: world_size()]
         return batches  # search algorithms see all the data on every rank
@@ -160,15 +189,56 @@ class QATTrainer(Trainer):
         if quant_state(model) is not None:
             logger.info("model already quantized (restored quantizer state): skipping calibration")
             return
-        batches = self._calibration_batches() if need_calibration(self.quant_args.recipe) else None
+        config = self.quant_args.quantize_config()
+        batches = self._calibration_batches() if need_calibration(config) else None
         samples = sum(len(next(iter(b.values()))) for b in batches or [])
-        logger.info("quantizing with %s and calibrating on %d sample(s)", self.quant_args.recipe, samples)
-        quantize(model, self.quant_args.recipe, batches, self.quant_args.experts_implementation)
+        logger.info(
+            "quantizing with %s (calibration: %s%s) on %d sample(s)",
+            self.quant_args.recipe, config.algorithm_name,
+            ", learnable amax" if self.quant_args.learn_amax else "", samples,
+        )  # fmt: skip
+        quantize(model, config, batches, self.quant_args.experts_implementation)
+
+    # -- optimizer ---------------------------------------------------------------------------------------
+    def get_decay_parameter_names(self, model: torch.nn.Module) -> list[str]:
+        """As ``Trainer``'s, without the learnable amax (never weight-decayed)."""
+        amax = set(learnable_amax_parameters(model))
+        return [n for n in super().get_decay_parameter_names(model) if n not in amax]
+
+    def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
+        """``Trainer``'s optimizer, with the learnable amax moved into a param group of their own: learning
+        rate ``learning_rate * quant_args.amax_lr_multiplier``, no weight decay (the scheduler scales it)."""
+        had_optimizer = self.optimizer is not None
+        optimizer = super().create_optimizer(model)
+        amax = learnable_amax_parameters(self.model if model is None else model)
+        self._amax_params = {n: p for n, p in amax.items() if p.requires_grad}
+        if had_optimizer or not self._amax_params:
+            return optimizer
+        ids = {id(p) for p in self._amax_params.values()}
+        found = 0
+        for group in optimizer.param_groups:
+            kept = [p for p in group["params"] if id(p) not in ids]
+            found += len(group["params"]) - len(kept)
+            group["params"] = kept
+        if found != len(ids):
+            raise RuntimeError(
+                f"the optimizer ({type(optimizer).__name__}) holds {found} of the {len(ids)} learnable amax "
+                "parameters in its param groups; build the optimizer yourself (Trainer(optimizers=...)) "
+                "with them in a group of their own"
+            )
+        optimizer.param_groups[:] = [g for g in optimizer.param_groups if g["params"]]
+        lr = self.args.learning_rate * self.quant_args.amax_lr_multiplier
+        optimizer.add_param_group({"params": list(self._amax_params.values()), "lr": lr, "weight_decay": 0.0})
+        logger.info(
+            "%d learnable amax parameter(s) in their own param group: lr %.3g (%.3g x learning_rate)",
+            len(ids), lr, self.quant_args.amax_lr_multiplier,
+        )  # fmt: skip
+        return optimizer
 
     # -- checkpoints -------------------------------------------------------------------------------------
     def _expected_config(self) -> dict[str, Any]:
         state = quant_state(self.model)
-        config = state.config if state is not None else resolve_config(self.quant_args.recipe)
+        config = state.config if state is not None else self.quant_args.quantize_config()
         return plain(config.to_dict(), str_keys=True)
 
     def _restore_from_checkpoint(self, checkpoint: str) -> None:

@@ -68,3 +68,31 @@ def test_no_graph_kept_without_grad():
     x = torch.randn(8, 16)
     spec = resolve_format(8)
     assert fake_quant(x, spec, torch.tensor(1.0)).grad_fn is None
+
+
+def test_nvfp4_linear_gradients_equal_an_independent_straight_through_computation():
+    # W4A4 NVFP4 linear: y = fq(x) @ fq(W)^T. Under the straight-through estimator, dL/dx = g @ fq(W) and
+    # dL/dW = g^T @ fq(x), both with the fake-quantized other operand; computed here by hand from the
+    # independent NUMERICS expectation (tests/unit/_expect.py), not by the library's autograd.
+    import numpy as np
+
+    import modelopt_lite.quantization as mtq
+
+    from ._expect import nvfp4_expect
+
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False))
+    x = torch.randn(2, 5, 64) * torch.linspace(0.1, 4, 64)  # uneven channels: blocks get different scales
+    mtq.quantize(layer, mtq.NVFP4_DEFAULT_CFG, [x])
+    lin = layer[0]
+    x_amax, w_amax = lin.input_quantizer.amax, lin.weight_quantizer.amax
+    xr = x.clone().requires_grad_(True)
+    g = torch.randn(2, 5, 32)
+    layer(xr).backward(g)
+    fq_x = torch.from_numpy(nvfp4_expect(x.numpy(), np.float32(x_amax.item()))).float()
+    fq_w = torch.from_numpy(nvfp4_expect(lin.weight.detach().numpy(), np.float32(w_amax.item()))).float()
+    assert not torch.equal(fq_x, x)  # the activations really were quantized
+    torch.testing.assert_close(xr.grad, g @ fq_w, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        lin.weight.grad, g.reshape(-1, 32).T @ fq_x.reshape(-1, 64), rtol=1e-5, atol=1e-5
+    )

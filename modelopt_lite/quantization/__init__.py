@@ -25,6 +25,7 @@ from .model_quant import (
 )
 from .presets import KV_PRESETS, PRESETS, get_preset, with_kv_cache
 from .recipes import Recipe, list_recipes, load_recipe
+from .rotation import rotate_residual
 
 register = QUANT_MODULES.register
 unregister = QUANT_MODULES.unregister
@@ -93,6 +94,7 @@ __all__ = [
     "register",
     "register_algorithm",
     "resolve_config",
+    "rotate_residual",
     "run_forward_loop",
     "set_quantizer_by_cfg",
     "unregister",

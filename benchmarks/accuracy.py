@@ -1,74 +1,52 @@
-"""Held-out perplexity of the bundled default models under PTQ, QAT and QAD (issue 9).
+"""How much of the PTQ perplexity gap QAT and QAD win back, on the benchmark models (issue 14).
 
-    OMP_NUM_THREADS=2 python benchmarks/accuracy.py [--models dense,moe] [--quick] [--json out.json]
-        [--png out.png] [--threads 2] [--steps N] [--lr X] [--checkpoint KIND=DIR]
+    OMP_NUM_THREADS=2 python benchmarks/accuracy.py [--models bench-dense,bench-moe] [--seeds 0,1,2]
+        [--steps 200] [--lr 1e-4] [--budgets 100,200,400,800] [--rows ...] [--json F] [--png F] [--quick]
 
-Models: the bundled default models (``modelopt_lite.models``: ``dense`` = Llama, ``moe`` = Qwen3-MoE with 8
-experts), fp32, loaded from the user cache with ``default_model_path(kind, train_if_missing=False)``: this
-script never trains them (build them first with ``modelopt-lite-default-model --kind all``).
-``--checkpoint KIND=DIR`` measures another checkpoint instead (with its own tokenizer).
+Models: ``modelopt_lite.models`` benchmark models (``bench-dense`` = Llama, ``bench-moe`` = Qwen3-MoE with
+fused experts), trained to near convergence on the ``fit`` split of the default corpus, fp32, loaded from
+the user cache (``modelopt-lite-default-model --kind bench-dense`` builds one; this script never trains
+them). ``dense`` / ``moe`` (the small default models) work too; their pretraining saw the validation split.
 
-Data (all from the default corpus, tokenized as the default models were trained: ``bos text eos`` per
-document, ``models.trainer.token_stream``):
+Data, three disjoint splits of the corpus by document (``models.corpus``), tokenized as the models were
+trained (``bos text eos`` per document):
 
-* held-out metric: ``models.trainer.heldout_perplexity`` on every consecutive, non-overlapping window of
-  ``max_position_embeddings`` (256) tokens of the held-out split (tail dropped): the metric of the models'
-  own training report, and the same windows for every row (``--quick`` keeps only the first 8 windows);
-* calibration: the first ``--calib-size`` (32) windows of 256 tokens of the train split, batches of 4, the
-  same batches for every PTQ format;
-* validation: the last ``--val-windows`` (12) windows of 256 tokens of the train split (seen in the
-  default models' pretraining); these tokens are cut off the QAT / QAD training stream;
-* training: the rest of the train split as consecutive ``--seq-len`` windows, shuffled by the Trainer's
-  seed (0).
+* ``fit``: calibration (the first ``--calib-size`` windows of 256 tokens, batches of 4, the same for every
+  row) and QAT / QAD training (consecutive ``--seq-len`` windows, shuffled by the Trainer's seed);
+* ``validation``: every setting (lr, steps, temperature, amax lr, ...) is chosen on it (``val`` columns);
+* ``test``: the reported figures (``test`` columns, the table, the PNG); never read for a choice.
 
-Rows, per model:
+Perplexity: consecutive, non-overlapping windows of ``max_position_embeddings`` tokens (tail dropped),
+every predicted token counted (``models.trainer.heldout_perplexity``). ``KL``: mean KL(unquantized || row)
+per predicted token on the test windows, in 1e-3 nats.
 
-* ``baseline``: the unquantized model;
-* ``ptq <fmt>`` for fp8, int8_sq, int4_awq, nvfp4, nvfp4_awq, mxfp4 and w4a16_nvfp4 (NVFP4 weights only, to
-  split the nvfp4 gap into its weight and activation parts): fake quant with the config of
-  ``modelopt-lite-ptq --qformat <fmt>`` (``export.ptq.build_config``), calibrated with its algorithm (max,
-  SmoothQuant, AWQ-lite);
-* ``qat <fmt>`` / ``qad <fmt>`` for nvfp4 (``NVFP4_DEFAULT_CFG``: W4A4, block 16, max calibration) and
-  int4 (``INT4_AWQ_CFG``: weight-only INT4, block 128, AWQ-lite): training starts from a copy of the matching
-  PTQ model (``ptq nvfp4`` / ``ptq int4_awq``: same quantizers, same amax, same pre-quant scales), so the
-  trainer skips calibration and recovery compares against exactly that row. QAT = ``QATTrainer`` with the
-  causal-LM cross-entropy; QAD = ``QADTrainer`` with the unquantized model as the frozen teacher, loss =
-  KL(teacher || student) at temperature 1 only (``kd_loss_weight=1``, ``ce_loss_weight=0``). Both get the
-  same budget: ``--steps`` (200) optimizer steps of ``--batch-size`` (4) x ``--seq-len`` (128) tokens
-  (102,400 tokens, about 0.4 epoch of the train split), AdamW (``transformers`` defaults, weight decay 0),
-  peak ``--lr`` (3e-5), linear warm-up over the first 10% of the steps then cosine decay to 0, gradient
-  clipping 1.0, ``--seed`` 0 (same data order for QAT and QAD).
+Rows. PTQ (fake quant, calibrated on the same windows):
 
-``recovery = (ppl_ptq - ppl_trained) / (ppl_ptq - ppl_baseline)`` with ``ppl_ptq`` the matching PTQ row
-(1.0: the whole PTQ gap closed; above 1.0: better than the unquantized model; negative: worse than PTQ).
-Targets of issue 9: NVFP4 QAT >= 70% and QAD >= 85%, on both models. Every PTQ format is reported as
-measured.
+* ``nvfp4``: W4A4 NVFP4 (``NVFP4_DEFAULT_CFG``) with FP8 KV cache; ``nvfp4_awq`` the same with AWQ-lite;
+* ``w4a16_nvfp4``: NVFP4 weights only, ``a_nvfp4``: NVFP4 activations (and FP8 KV) only: the two parts of
+  the nvfp4 gap;
+* ``nvfp4_rot``: nvfp4 after ``mtq.rotate_residual`` (residual-stream rotation folded into the weights);
+* ``int4``: INT4 block-128 weight-only (max), ``int4_awq``: the same with AWQ (``INT4_AWQ_CFG``).
 
-``ft unquantized`` (skipped with ``--no-control``): the unquantized model trained with a plain ``Trainer`` and
-the same budget (cross-entropy), i.e. what the training alone does to held-out perplexity, and a ``net
-recovery`` column for the QAT rows: ``1 - (ppl_trained - ppl_ft) / (ppl_ptq - ppl_baseline)``, the PTQ gap
-left after training measured against that control instead of the starting model. It equals ``recovery`` when
-the training alone leaves perplexity unchanged; when it does not (a model that still improves with more
-training), ``recovery`` credits QAT with what plain fine-tuning also gives, and ``net recovery`` does not. QAD
-rows have no such column: their loss is the KL to the unquantized model itself, so the matching control
-(distilling the unquantized model into itself) leaves it unchanged and their ``recovery`` needs no correction.
+Training (each from a copy of its PTQ row, so the trainer skips calibration and recovery compares against
+exactly that row): ``qat X`` = ``QATTrainer`` (cross-entropy), ``qad X`` = ``QADTrainer`` with the
+unquantized model as the frozen teacher (KL at ``--temperature``, no CE); ``+la`` rows make every static
+amax learnable (``learn_amax``, lr x ``--amax-lr-multiplier``); ``ft`` = the unquantized model fine-tuned
+with a plain ``Trainer`` and the same budget and lr (the control of QAT). Budget: ``--steps`` optimizer steps
+of ``--batch-size`` x ``--seq-len`` tokens, AdamW (weight decay 0), peak ``--lr``, linear warm-up over 10%,
+cosine to 0, gradient clipping 1.0; every seed in ``--seeds`` runs every training row (data order and
+initialisation of the Trainer). ``--budgets`` adds ``qat nvfp4`` / ``qad nvfp4`` / ``ft`` at each step count
+(first seed only): is recovery still rising?
 
-``KL (1e-3)``: mean KL(baseline || row) per predicted token on the same held-out windows, in 1e-3 nats: how
-far each row's next-token distributions are from the unquantized model's, a finer measure than the perplexity
-difference (which can be zero while the distributions differ, and which plain fine-tuning moves). ``KL
-recovery = 1 - KL_trained / KL_ptq``: the share of that distance to the unquantized model that training
-removed. It is not the issue's metric; it is reported because the perplexity gaps here are small.
+Recovery, per split (a row that starts from a lever's PTQ row, ``nvfp4_rot`` / ``nvfp4_awq`` / ``int4_awq``,
+is measured against the gap of the plain format's PTQ row, ``nvfp4`` / ``int4``: ``gap_of`` in the JSON):
 
-Tuning, disclosed: the first run used lr 3e-4 (the final learning rate of the default models' own
-training), fixed before any number was read; on the dense model it made NVFP4 QAT and QAD worse than PTQ.
-Dense NVFP4 was then run with lr 1e-5, 3e-5 and 1e-4 (QAD also 600 steps at 3e-5), reading held-out
-perplexity, and the default became 3e-5, the middle of the range; there is no separate tuning split, so the
-dense NVFP4 rows are tuned on the held-out metric (the MoE rows and the INT4 rows are not). ``val ppl`` is
-reported for every row, but the validation windows were part of the default models' pretraining data, so it
-measures how much of that memorised text survives (training moves it up), not generalisation.
+* QAD: ``(ppl_ptq - ppl_qad) / (ppl_ptq - ppl_unquantized)``: the share of the gap to the teacher closed;
+* QAT: ``(ppl_ptq - ppl_qat) / (ppl_ptq - ppl_ft)``: the share of the gap to the unquantized model
+  fine-tuned with the same budget, seed and lr (training alone also moves perplexity);
+* ``KL rec``: ``1 - KL_trained / KL_ptq``.
 
-Threads: ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` are set to ``--threads`` (2) before torch is imported, and
-``torch.set_num_threads`` too. Wall times are informative only (other processes share the machine).
+Targets (issue 14, nvfp4 on both models, mean of the seeds): QAD >= 85%, QAT >= 70%.
 """
 
 from __future__ import annotations
@@ -77,86 +55,97 @@ import argparse
 import copy
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-PTQ_FORMATS = ["fp8", "int8_sq", "int4_awq", "nvfp4", "nvfp4_awq", "mxfp4", "w4a16_nvfp4"]
-# w4a16_nvfp4 (NVFP4 weights, unquantized activations) is not in the issue's list: it shows how much of
-# the nvfp4 (W4A4) gap comes from the weights alone
-# trained format -> (recipe of the trainers, PTQ row it starts from)
-TRAIN_FORMATS = {"nvfp4": ("NVFP4_DEFAULT_CFG", "nvfp4"), "int4": ("INT4_AWQ_CFG", "int4_awq")}
-TARGETS = {("nvfp4", "qat"): 0.70, ("nvfp4", "qad"): 0.85}
-EVAL_SEQ_FALLBACK, CALIB_SEQ, CALIB_BATCH = 256, 256, 4
+PTQ_ROWS = ("nvfp4", "nvfp4_awq", "w4a16_nvfp4", "a_nvfp4", "nvfp4_rot", "int4", "int4_awq")
+# training row -> (mode, PTQ row it starts from, learnable amax)
+TRAIN_ROWS: dict[str, tuple[str, str, bool]] = {
+    "qat nvfp4": ("qat", "nvfp4", False),
+    "qad nvfp4": ("qad", "nvfp4", False),
+    "qad w4a16_nvfp4": ("qad", "w4a16_nvfp4", False),
+    "qad a_nvfp4": ("qad", "a_nvfp4", False),
+    "qad nvfp4_rot": ("qad", "nvfp4_rot", False),
+    "qad nvfp4_awq": ("qad", "nvfp4_awq", False),
+    "qat int4": ("qat", "int4", False),
+    "qad int4": ("qad", "int4", False),
+    "qad int4 +la": ("qad", "int4", True),
+    "qad int4_awq": ("qad", "int4_awq", False),
+}
+DEFAULT_TRAIN = (
+    "qat nvfp4",
+    "qad nvfp4",
+    "qad w4a16_nvfp4",
+    "qad a_nvfp4",
+    "qad nvfp4_rot",
+    "qad int4",
+    "qad int4 +la",
+    "qat int4",
+)
+# PTQ rows that apply a lever to a plain format -> that format (recovery is measured against its gap)
+LEVER_OF = {"nvfp4_rot": "nvfp4", "nvfp4_awq": "nvfp4", "int4_awq": "int4"}
+TARGETS = {"qat nvfp4": 0.70, "qad nvfp4": 0.85}
+MODELS = ("bench-dense", "bench-moe", "dense", "moe")
+CALIB_SEQ, CALIB_BATCH = 256, 4
+
+
+def _csv(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Held-out perplexity of the default models: PTQ, QAT and QAD")
-    p.add_argument("--models", default="dense,moe", help="comma-separated: dense, moe")
+    p = argparse.ArgumentParser(description="PTQ gap and QAT / QAD recovery on the benchmark models")
+    p.add_argument("--models", default="bench-dense,bench-moe", help=f"comma-separated: {', '.join(MODELS)}")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--quick", action="store_true", help="smoke run: 4 steps, 4 calibration / 8 eval windows")
-    p.add_argument("--steps", type=int, default=200, help="optimizer steps of QAT and of QAD")
+    p.add_argument("--quick", action="store_true", help="smoke run: 4 steps, 4 calibration / 4 eval windows")
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps of every training row")
+    p.add_argument("--budgets", default="", help="extra step counts for qat / qad nvfp4 and ft (first seed)")
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=128, help="tokens per training sample")
-    p.add_argument("--lr", type=float, default=3e-5, help="peak learning rate (QAT and QAD)")
-    p.add_argument("--warmup-ratio", type=float, default=0.1)
-    p.add_argument("--seed", type=int, default=0, help="Trainer seed and data order of QAT, QAD and control")
+    p.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (QAT, QAD and the control)")
+    p.add_argument("--temperature", type=float, default=1.0, help="QAD softmax temperature")
+    p.add_argument("--amax-lr-multiplier", type=float, default=1.0, help="lr of learnable amax (+la rows)")
+    p.add_argument("--seeds", default="0", help="comma-separated Trainer seeds; each runs every training row")
     p.add_argument("--calib-size", type=int, default=32, help="calibration windows of 256 tokens")
-    p.add_argument("--val-windows", type=int, default=12, help="train-split windows kept out for tuning")
-    p.add_argument("--eval-windows", type=int, default=None, help="cap on held-out windows (default: all)")
-    p.add_argument("--ptq-formats", default=",".join(PTQ_FORMATS))
-    p.add_argument("--train-formats", default=",".join(TRAIN_FORMATS), help="nvfp4, int4 (empty: none)")
-    p.add_argument("--modes", default="qat,qad", help="qat, qad (empty: no training)")
-    p.add_argument(
-        "--no-control",
-        dest="control",
-        action="store_false",
-        help="skip the control row (the unquantized model fine-tuned with the same budget, CE, plain "
-        "Trainer: the effect of the training alone on held-out perplexity) and the net recovery",
-    )
-    p.add_argument(
-        "--checkpoint",
-        action="append",
-        default=[],
-        metavar="KIND=DIR",
-        help="measure this checkpoint directory instead of the bundled KIND model",
-    )
+    p.add_argument("--eval-windows", type=int, default=None, help="cap on validation / test windows")
+    p.add_argument("--ptq", default=",".join(PTQ_ROWS), help="PTQ rows")
+    p.add_argument("--rows", default=",".join(DEFAULT_TRAIN), help=f"training rows from {list(TRAIN_ROWS)}")
+    p.add_argument("--no-control", dest="control", action="store_false", help="skip the ft control")
     p.add_argument("--json", help="write the numbers here")
-    p.add_argument("--png", help="write a bar chart of the perplexities here (needs matplotlib)")
+    p.add_argument("--png", help="write recovery bars and budget curves here (needs matplotlib)")
     args = p.parse_args(argv)
-    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
-    args.ptq_formats = [f.strip() for f in args.ptq_formats.split(",") if f.strip()]
-    args.train_formats = [f.strip() for f in args.train_formats.split(",") if f.strip()]
-    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    args.models, args.ptq, args.rows = _csv(args.models), _csv(args.ptq), _csv(args.rows)
+    try:
+        args.seeds = [int(s) for s in _csv(args.seeds)]
+        args.budgets = [int(s) for s in _csv(args.budgets)]
+    except ValueError:
+        p.error("--seeds and --budgets take comma-separated integers")
     for value, allowed, flag in (
-        (args.models, ("dense", "moe"), "--models"),
-        (args.ptq_formats, PTQ_FORMATS, "--ptq-formats"),
-        (args.train_formats, tuple(TRAIN_FORMATS), "--train-formats"),
-        (args.modes, ("qat", "qad"), "--modes"),
+        (args.models, MODELS, "--models"),
+        (args.ptq, PTQ_ROWS, "--ptq"),
+        (args.rows, tuple(TRAIN_ROWS), "--rows"),
     ):
         bad = [v for v in value if v not in allowed]
         if bad:
             p.error(f"{flag}: unknown {bad}; choose from {list(allowed)}")
-    for fmt in args.train_formats:
-        if TRAIN_FORMATS[fmt][1] not in args.ptq_formats and args.modes:
-            p.error(
-                f"--train-formats {fmt} starts from the PTQ row {TRAIN_FORMATS[fmt][1]}: keep that format"
-            )
-    checkpoints = {}
-    for item in args.checkpoint:
-        kind, sep, path = item.partition("=")
-        if not sep or kind not in ("dense", "moe") or not Path(path).is_dir():
-            p.error(f"--checkpoint {item!r}: expected dense=DIR or moe=DIR with an existing directory")
-        checkpoints[kind] = path
-    args.checkpoint = checkpoints
+    missing = sorted({TRAIN_ROWS[r][1] for r in args.rows} - set(args.ptq))
+    if missing:
+        p.error(f"--rows start from the PTQ rows {missing}: add them to --ptq")
     if args.quick:
-        args.steps, args.calib_size, args.val_windows = 4, 4, 2
-        args.eval_windows = args.eval_windows or 8
-    for flag in ("threads", "steps", "batch_size", "seq_len", "calib_size", "val_windows"):
+        args.steps, args.calib_size, args.eval_windows = 4, 4, args.eval_windows or 4
+        args.budgets = [2] if args.budgets else []
+    for flag in ("threads", "steps", "batch_size", "seq_len", "calib_size"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be a positive integer")
+    for flag in ("lr", "temperature", "amax_lr_multiplier"):
+        if not getattr(args, flag) > 0:
+            p.error(f"--{flag.replace('_', '-')} must be positive")
+    if not args.seeds or any(b < 1 for b in args.budgets):
+        p.error("--seeds needs at least one seed; --budgets must be positive")
     return args
 
 
@@ -164,7 +153,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 class TokenWindows:
-    """Consecutive ``seq_len`` windows of a token stream as causal-LM samples (examples/llm_qat/main.py)."""
+    """Consecutive ``seq_len`` windows of a token stream as causal-LM samples."""
 
     def __init__(self, stream: Any, seq_len: int):
         count = stream.numel() // seq_len
@@ -179,174 +168,226 @@ class TokenWindows:
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def _load(kind: str, checkpoints: dict[str, str]) -> tuple[Any, Any, str, dict[str, Any]]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from modelopt_lite.models import default_model_path
-
-    path = checkpoints.get(kind) or str(default_model_path(kind, train_if_missing=False))
-    model = AutoModelForCausalLM.from_pretrained(path, dtype="float32", local_files_only=True).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    marker = Path(path) / "default_model.json"
-    info = json.loads(marker.read_text()) if marker.is_file() else {}
-    return model, tokenizer, path, info
-
-
 def _ppl(model: Any, windows: Any) -> float:
     from modelopt_lite.models.trainer import heldout_perplexity
 
     return heldout_perplexity(model, windows.reshape(-1), windows.shape[1])
 
 
-def _kl_to_baseline(base: Any, model: Any, windows: Any, batch_size: int = 8) -> float:
-    """Mean KL(baseline || model) in nats per predicted token over ``windows``: how far a row's next-token
-    distributions are from the unquantized model's (0 for the baseline itself)."""
+def _kl(base_logprobs: list[Any], model: Any, windows: Any, batch_size: int = 8) -> float:
+    """Mean KL(unquantized || model) in nats per predicted token (``base_logprobs``: per batch)."""
     import torch
 
     total, count = 0.0, 0
     with torch.no_grad():
-        for batch in windows.split(batch_size):
-            ref = base(input_ids=batch).logits[:, :-1].float().log_softmax(-1)
+        for ref, batch in zip(base_logprobs, windows.split(batch_size), strict=True):
             out = model(input_ids=batch).logits[:, :-1].float().log_softmax(-1)
             total += float((ref.exp() * (ref - out)).sum())
             count += ref.shape[0] * ref.shape[1]
     return total / count
 
 
-def _training_args(args: argparse.Namespace, output_dir: str) -> Any:
+def ptq_config(row: str) -> dict[str, Any]:
+    import modelopt_lite.quantization as mtq
+    from modelopt_lite.export.ptq import build_config
+
+    if row in ("nvfp4", "nvfp4_rot"):
+        return build_config("nvfp4", "fp8")
+    if row == "nvfp4_awq":
+        return build_config("nvfp4_awq", "fp8")
+    if row == "w4a16_nvfp4":
+        return build_config("w4a16_nvfp4")
+    if row == "a_nvfp4":  # the activation (and KV) half of nvfp4: weights left in full precision
+        cfg = build_config("nvfp4", "fp8")
+        cfg["quant_cfg"] = [*cfg["quant_cfg"], {"quantizer_name": "*weight_quantizer", "enable": False}]
+        return cfg
+    return mtq.get_preset({"int4": "INT4_BLOCKWISE_WEIGHT_ONLY_CFG", "int4_awq": "INT4_AWQ_CFG"}[row])
+
+
+def _training_args(args: argparse.Namespace, output_dir: str, steps: int, seed: int) -> Any:
     from transformers import TrainingArguments
 
     return TrainingArguments(
-        output_dir=output_dir, max_steps=args.steps, per_device_train_batch_size=args.batch_size,
-        learning_rate=args.lr, lr_scheduler_type="cosine", warmup_steps=round(args.warmup_ratio * args.steps),
-        weight_decay=0.0, max_grad_norm=1.0, seed=args.seed, data_seed=args.seed, use_cpu=True,
-        save_strategy="no", report_to="none", logging_steps=max(1, args.steps // 10), disable_tqdm=True,
+        output_dir=output_dir,
+        max_steps=steps,
+        per_device_train_batch_size=args.batch_size,
+        learning_rate=args.lr,
+        lr_scheduler_type="cosine",
+        warmup_steps=round(0.1 * steps),
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        seed=seed,
+        data_seed=seed,
+        use_cpu=True,
+        save_strategy="no",
+        report_to="none",
+        logging_steps=max(1, steps // 10),
+        disable_tqdm=True,
         dataloader_num_workers=0,
-    )  # fmt: skip
+    )
 
 
 def _train(
-    mode: str, student: Any, teacher: Any, recipe: str, train_set: TokenWindows, tokenizer: Any, args: Any
-) -> dict[str, Any]:
+    mode: str,
+    student: Any,
+    teacher: Any,
+    train_set: TokenWindows,
+    tokenizer: Any,
+    args: Any,
+    steps: int,
+    seed: int,
+    learn_amax: bool = False,
+) -> tuple[Any, dict[str, Any]]:
     from transformers import Trainer
 
+    from modelopt_lite.quantization import iter_quantizers
     from modelopt_lite.training import DistillationArguments, QADTrainer, QATTrainer, QuantizationArguments
 
+    if learn_amax:  # the student is already quantized: make its static amax learnable in place
+        from modelopt_lite.formats import learnable_amax_error
+
+        for _, q in iter_quantizers(student):
+            if q.is_enabled and q.amax is not None and learnable_amax_error(q.spec) is None:
+                q.learn_amax = True
     with tempfile.TemporaryDirectory(prefix="accuracy-bench-") as out:
-        common = dict(model=student, args=_training_args(args, out), train_dataset=train_set,
-                      processing_class=tokenizer)  # fmt: skip
-        if mode == "ft":  # the unquantized control: plain Trainer, same budget
+        common = dict(
+            model=student,
+            args=_training_args(args, out, steps, seed),
+            train_dataset=train_set,
+            processing_class=tokenizer,
+        )
+        # the student already carries its PTQ quantizers: the trainers skip quantization and calibration
+        quant = QuantizationArguments(recipe="NVFP4_DEFAULT_CFG", amax_lr_multiplier=args.amax_lr_multiplier)
+        if mode == "ft":
             trainer: Any = Trainer(**common)
+        elif mode == "qat":
+            trainer = QATTrainer(**common, quant_args=quant)
         else:
-            common["quant_args"] = QuantizationArguments(recipe=recipe, calib_size=args.calib_size)
-        if mode == "qat":
-            trainer = QATTrainer(**common)
-        elif mode == "qad":
-            distill = DistillationArguments(temperature=1.0, kd_loss_weight=1.0, ce_loss_weight=0.0)
-            trainer = QADTrainer(**common, distill_args=distill, teacher_model=teacher)
+            distill = DistillationArguments(
+                temperature=args.temperature, kd_loss_weight=1.0, ce_loss_weight=0.0
+            )
+            trainer = QADTrainer(**common, quant_args=quant, distill_args=distill, teacher_model=teacher)
         start = time.perf_counter()
-        result = trainer.train()
+        trainer.train()
         seconds = time.perf_counter() - start
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    return {
-        "model": model.eval(),
+    model = trainer.accelerator.unwrap_model(trainer.model).eval()
+    return model, {
         "train_seconds": round(seconds, 1),
-        "train_loss_first": round(losses[0], 4) if losses else None,
-        "train_loss_last": round(losses[-1], 4) if losses else None,
-        "train_loss_mean": round(result.training_loss, 4),
         "steps": trainer.state.global_step,
+        "train_loss_first": losses[0] if losses else None,
+        "train_loss_last": losses[-1] if losses else None,
     }
 
 
-def _recovery(ppl_ptq: float, ppl_trained: float, ppl_base: float) -> float | None:
-    """None when PTQ is not worse than the baseline (no gap to recover)."""
-    gap = ppl_ptq - ppl_base
-    return None if gap <= 0 else (ppl_ptq - ppl_trained) / gap
+def _share(start: float, end: float, goal: float) -> float | None:
+    """``(start - end) / (start - goal)``; None when there is no gap (``start <= goal``)."""
+    return None if start - goal <= 0 else (start - end) / (start - goal)
 
 
 def measure(kind: str, args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     import modelopt_lite.quantization as mtq
-    from modelopt_lite.export.ptq import build_config
-    from modelopt_lite.models import corpus_texts
+    from modelopt_lite.models import corpus_texts, load_default_model
     from modelopt_lite.models.trainer import token_stream
 
     t0 = time.perf_counter()
-    base, tokenizer, path, info = _load(kind, args.checkpoint)
-    eval_seq = getattr(base.config, "max_position_embeddings", None) or EVAL_SEQ_FALLBACK
-    train_ids = token_stream(tokenizer, corpus_texts("train"))
-    heldout_ids = token_stream(tokenizer, corpus_texts("heldout"))
-    heldout = TokenWindows(heldout_ids, eval_seq).ids[: args.eval_windows]
-    calib = TokenWindows(train_ids, CALIB_SEQ).ids[: args.calib_size]
-    calib_batches = list(calib.split(CALIB_BATCH))
-    val_tokens = args.val_windows * eval_seq
-    val = train_ids[-val_tokens:].view(args.val_windows, eval_seq)
-    train_set = TokenWindows(train_ids[:-val_tokens], args.seq_len)
+    base, tokenizer = load_default_model(kind, train_if_missing=False)
+    base = base.float().eval()
+    eval_seq = base.config.max_position_embeddings
+    stream = {s: token_stream(tokenizer, corpus_texts(s)) for s in ("fit", "validation", "test")}
+    evals = {s: TokenWindows(stream[s], eval_seq).ids[: args.eval_windows] for s in ("validation", "test")}
+    calib_batches = list(TokenWindows(stream["fit"], CALIB_SEQ).ids[: args.calib_size].split(CALIB_BATCH))
+    train_set = TokenWindows(stream["fit"], args.seq_len)
+    with torch.no_grad():
+        base_lp = [base(input_ids=b).logits[:, :-1].float().log_softmax(-1) for b in evals["test"].split(8)]
     print(
-        f"\n## {kind}: {path}\n{sum(p.numel() for p in base.parameters()) / 1e6:.2f}M parameters; held-out "
-        f"{heldout.shape[0]} x {eval_seq} tokens; calibration {calib.shape[0]} x {CALIB_SEQ}; validation "
-        f"{val.shape[0]} x {eval_seq}; training {len(train_set)} windows of {args.seq_len}",
+        f"\n## {kind}: {sum(p.numel() for p in base.parameters()) / 1e6:.2f}M parameters; validation "
+        f"{tuple(evals['validation'].shape)}, test {tuple(evals['test'].shape)} windows; calibration "
+        f"{args.calib_size} x {CALIB_SEQ}; training {len(train_set)} windows of {args.seq_len}",
         flush=True,
     )
     rows: list[dict[str, Any]] = []
 
-    def add(name: str, method: str, fmt: str | None, model: Any, **extra: Any) -> dict[str, Any]:
-        row = {"name": name, "method": method, "format": fmt, "ppl": _ppl(model, heldout),
-               "kl": _kl_to_baseline(base, model, heldout), "val_ppl": _ppl(model, val), **extra}  # fmt: skip
+    def add(name: str, method: str, model: Any, **extra: Any) -> dict[str, Any]:
+        row = {
+            "name": name,
+            "method": method,
+            "val_ppl": _ppl(model, evals["validation"]),
+            "test_ppl": _ppl(model, evals["test"]),
+            "kl": _kl(base_lp, model, evals["test"]),
+            **extra,
+        }
         rows.append(row)
-        print(f"  {name:<16} held-out ppl {row['ppl']:9.3f}   KL {1e3 * row['kl']:7.3f}e-3   val ppl "
-              f"{row['val_ppl']:9.3f}", flush=True)  # fmt: skip
+        print(
+            f"  {name:<18} seed {extra.get('seed', '-')!s:>2} steps {extra.get('steps', '-')!s:>4}   val ppl "
+            f"{row['val_ppl']:8.3f}   test ppl {row['test_ppl']:8.3f}   KL {1e3 * row['kl']:7.3f}e-3",
+            flush=True,
+        )
         return row
 
-    baseline = add("baseline", "baseline", None, base)
-    ptq_models: dict[str, Any] = {}
-    for fmt in args.ptq_formats:
+    baseline = add("unquantized", "baseline", base)
+    teacher = copy.deepcopy(base)  # QADTrainer freezes its teacher: keep `base` trainable for the control
+    ptq: dict[str, tuple[Any, dict[str, Any]]] = {}
+    for name in args.ptq:
         model = copy.deepcopy(base)
         start = time.perf_counter()
+        if name == "nvfp4_rot":
+            mtq.rotate_residual(model)
         with torch.no_grad():
-            mtq.quantize(model, build_config(fmt), calib_batches)
-        add(f"ptq {fmt}", "ptq", fmt, model, calib_seconds=round(time.perf_counter() - start, 1))
-        if any(TRAIN_FORMATS[t][1] == fmt for t in args.train_formats):
-            ptq_models[fmt] = model
-    if args.control and args.modes:
-        stats = _train("ft", copy.deepcopy(base), None, "", train_set, tokenizer, args)
-        add("ft unquantized", "ft", None, stats.pop("model"), **stats)
-    by_name = {r["name"]: r for r in rows}
-    for fmt in args.train_formats:
-        recipe, ptq_fmt = TRAIN_FORMATS[fmt]
-        ptq_row = by_name[f"ptq {ptq_fmt}"]
-        for mode in args.modes:
-            teacher = base if mode == "qad" else None
-            student = copy.deepcopy(ptq_models[ptq_fmt])
-            stats = _train(mode, student, teacher, recipe, train_set, tokenizer, args)
-            model = stats.pop("model")
-            row = add(f"{mode} {fmt}", mode, fmt, model, recipe=recipe, starts_from=ptq_row["name"], **stats)
-            row["recovery"] = _recovery(ptq_row["ppl"], row["ppl"], baseline["ppl"])
-            row["val_recovery"] = _recovery(ptq_row["val_ppl"], row["val_ppl"], baseline["val_ppl"])
-            row["kl_recovery"] = 1 - row["kl"] / ptq_row["kl"] if ptq_row["kl"] > 0 else None
-            if mode == "qat" and "ft unquantized" in by_name:  # the gap left, against training without quant
-                gap = ptq_row["ppl"] - baseline["ppl"]
-                left = row["ppl"] - by_name["ft unquantized"]["ppl"]
-                row["net_recovery"] = None if gap <= 0 else 1 - left / gap
-            target = TARGETS.get((fmt, mode))
-            if target is not None:
-                row["target"] = target
-                row["target_met"] = row["recovery"] is not None and row["recovery"] >= target
-            rec = "n/a" if row["recovery"] is None else f"{100 * row['recovery']:.1f}%"
-            print(f"    recovery {rec} of the {ptq_row['name']} gap; trained {stats['train_seconds']:.0f} s")
-            del model
+            mtq.quantize(model, ptq_config(name), calib_batches)
+        row = add(f"ptq {name}", "ptq", model, calib_seconds=round(time.perf_counter() - start, 1))
+        ptq[name] = (model, row)
+
+    def trained(name: str, steps: int, seed: int, controls: dict[tuple[int, int], dict[str, Any]]) -> None:
+        mode, start_row, learn = TRAIN_ROWS[name]
+        model0 = ptq[start_row][0]
+        # a lever row (rotation, AWQ start) is measured against the gap of the plain format's PTQ row, so
+        # that what the lever buys before training counts too
+        ptq_row = ptq[LEVER_OF.get(start_row, start_row) if LEVER_OF.get(start_row) in ptq else start_row][1]
+        model, stats = _train(
+            mode, copy.deepcopy(model0), teacher, train_set, tokenizer, args, steps, seed, learn
+        )
+        row = add(
+            name, mode, model, seed=seed, starts_from=f"ptq {start_row}", gap_of=ptq_row["name"], **stats
+        )
+        goal = controls.get((steps, seed)) if mode == "qat" else baseline
+        for split in ("val", "test"):
+            row[f"{split}_recovery"] = (
+                None
+                if goal is None
+                else _share(ptq_row[f"{split}_ppl"], row[f"{split}_ppl"], goal[f"{split}_ppl"])
+            )
+        row["recovery_goal"] = "ft (same budget, seed, lr)" if mode == "qat" else "unquantized"
+        row["kl_recovery"] = 1 - row["kl"] / ptq_row["kl"] if ptq_row["kl"] > 0 else None
+        rec = "n/a" if row["test_recovery"] is None else f"{100 * row['test_recovery']:.1f}%"
+        print(f"    test recovery {rec}; {stats['train_seconds']:.0f} s")
+
+    controls: dict[tuple[int, int], dict[str, Any]] = {}
+    for seed in args.seeds:
+        needs_control = args.control and any(TRAIN_ROWS[r][0] == "qat" for r in args.rows)
+        if needs_control:
+            model, stats = _train(
+                "ft", copy.deepcopy(base), None, train_set, tokenizer, args, args.steps, seed
+            )
+            controls[(args.steps, seed)] = add("ft", "ft", model, seed=seed, **stats)
+        for name in args.rows:
+            trained(name, args.steps, seed, controls)
+    for steps in args.budgets:  # recovery against budget, first seed
+        if steps == args.steps:
+            continue
+        seed = args.seeds[0]
+        model, stats = _train("ft", copy.deepcopy(base), None, train_set, tokenizer, args, steps, seed)
+        controls[(steps, seed)] = add("ft", "ft", model, seed=seed, **stats)
+        for name in ("qat nvfp4", "qad nvfp4"):
+            if "nvfp4" in ptq:
+                trained(name, steps, seed, controls)
     return {
         "kind": kind,
-        "path": path,
-        "version": info.get("version"),
-        "model_report": info.get("report"),
         "eval_seq": eval_seq,
-        "heldout_windows": int(heldout.shape[0]),
-        "heldout_tokens_scored": int(heldout.shape[0] * (eval_seq - 1)),
-        "val_windows": int(val.shape[0]),
-        "calib_windows": int(calib.shape[0]),
+        "windows": {s: int(w.shape[0]) for s, w in evals.items()},
+        "calib_windows": args.calib_size,
         "train_windows": len(train_set),
         "seconds": round(time.perf_counter() - t0, 1),
         "rows": rows,
@@ -356,60 +397,95 @@ def measure(kind: str, args: argparse.Namespace) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------- output
 
 
-def _fmt_rec(x: float | None) -> str:
+def summarize(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """One line per (row, steps): means over seeds, with the min and max of the recovery."""
+    groups: dict[tuple[str, Any], list[dict[str, Any]]] = {}
+    for r in result["rows"]:
+        groups.setdefault((r["name"], r.get("steps")), []).append(r)
+    out = []
+    for (name, steps), rs in groups.items():
+        line: dict[str, Any] = {"name": name, "steps": steps, "seeds": len(rs), "method": rs[0]["method"]}
+        for key in ("val_ppl", "test_ppl", "kl", "val_recovery", "test_recovery", "kl_recovery"):
+            values = [r[key] for r in rs if r.get(key) is not None]
+            if values:
+                line[key] = statistics.fmean(values)
+                if key.endswith("recovery") and len(values) > 1:
+                    line[key + "_range"] = [min(values), max(values)]
+        if name in TARGETS and line.get("test_recovery") is not None:
+            line["target"] = TARGETS[name]
+            line["target_met"] = line["test_recovery"] >= TARGETS[name]
+        out.append(line)
+    return out
+
+
+def _pct(x: float | None) -> str:
     return "" if x is None else f"{100 * x:.1f}%"
 
 
-def markdown(results: list[dict[str, Any]]) -> str:
+def markdown(results: list[dict[str, Any]], steps: int) -> str:
     lines = [
-        "| model | row | held-out ppl | vs baseline | recovery | target | net recovery | KL (1e-3) "
-        "| KL recovery |",
-        "|---|---|---:|---:|---:|---|---:|---:|---:|",
+        "| model | row | steps | seeds | test ppl | test recovery (min - max) | val recovery | KL (1e-3) "
+        "| KL rec | target |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for res in results:
-        base = res["rows"][0]["ppl"]
-        for r in res["rows"]:
+        for s in res["summary"]:
+            if s["steps"] not in (None, steps):
+                continue
+            rng = s.get("test_recovery_range")
+            rec = _pct(s.get("test_recovery")) + (f" ({_pct(rng[0])} - {_pct(rng[1])})" if rng else "")
             target = ""
-            if "target" in r:
-                target = f">= {100 * r['target']:.0f}%: {'met' if r['target_met'] else '**missed**'}"
-            delta = "" if r["method"] == "baseline" else f"{100 * (r['ppl'] / base - 1):+.1f}%"
+            if "target" in s:
+                target = f">= {100 * s['target']:.0f}%: {'met' if s['target_met'] else '**missed**'}"
             lines.append(
-                f"| {res['kind']} | {r['name']} | {r['ppl']:.3f} | {delta} | {_fmt_rec(r.get('recovery'))} | "
-                f"{target} | {_fmt_rec(r.get('net_recovery'))} | {1e3 * r['kl']:.3f} | "
-                f"{_fmt_rec(r.get('kl_recovery'))} |"
+                f"| {res['kind']} | {s['name']} | {s['steps'] or ''} | {s['seeds']} | {s['test_ppl']:.3f} | "
+                f"{rec} | {_pct(s.get('val_recovery'))} | {1e3 * s['kl']:.3f} | {_pct(s.get('kl_recovery'))} "
+                f"| {target} |"
             )
     return "\n".join(lines)
 
 
-def plot(results: list[dict[str, Any]], path: str, budget: str) -> None:
+def plot(results: list[dict[str, Any]], path: str, steps: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"baseline": "#4c4c4c", "ft": "#b0b0b0", "ptq": "#8fb3d9", "qat": "#f0a94a", "qad": "#5aa469"}
-    fig, axes = plt.subplots(len(results), 1, figsize=(12, 4.2 * len(results)), squeeze=False)
-    for ax, res in zip(axes[:, 0], results, strict=True):
-        rows = res["rows"]
-        names = [r["name"] for r in rows]
-        values = [r["ppl"] for r in rows]
-        bars = ax.bar(range(len(rows)), values, color=[colors[r["method"]] for r in rows])
-        ax.axhline(rows[0]["ppl"], color="#4c4c4c", linestyle="--", linewidth=0.8)
-        for bar, r in zip(bars, rows, strict=True):
-            label = f"{r['ppl']:.2f}"
-            if r.get("recovery") is not None:
-                label += f"\n{100 * r['recovery']:.0f}%"
-            ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
-                        va="bottom", fontsize=7)  # fmt: skip
-        ax.set_xticks(range(len(rows)), names, rotation=30, ha="right", fontsize=8)
-        ax.set_ylabel("held-out perplexity")
-        low = min(values)
-        ax.set_ylim(low * 0.9, max(values) * 1.12)
-        title = f"default {res['kind']} model: held-out perplexity (labels: ppl, recovery of the PTQ gap)"
-        ax.set_title(title, fontsize=10)
-    fig.suptitle(f"modelopt_lite: PTQ / QAT / QAD (fake quant); QAT and QAD: {budget}", fontsize=10)
+    fig, axes = plt.subplots(len(results), 2, figsize=(14, 4.2 * len(results)), squeeze=False)
+    for (ax, curve), res in zip(axes, results, strict=True):
+        lines = [s for s in res["summary"] if s["steps"] == steps and s.get("test_recovery") is not None]
+        ax.bar(
+            range(len(lines)),
+            [100 * s["test_recovery"] for s in lines],
+            color=["#f0a94a" if s["method"] == "qat" else "#5aa469" for s in lines],
+        )
+        for i, s in enumerate(lines):
+            if "test_recovery_range" in s:
+                lo, hi = s["test_recovery_range"]
+                ax.plot([i, i], [100 * lo, 100 * hi], color="black", linewidth=1)
+        for name, target in TARGETS.items():
+            ax.axhline(100 * target, color="#999999", linestyle="--", linewidth=0.7)
+            ax.annotate(f"{name} target", (len(lines) - 0.5, 100 * target), fontsize=7, ha="right")
+        ax.set_xticks(range(len(lines)), [s["name"] for s in lines], rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel("test recovery of the PTQ gap (%)")
+        ax.set_title(
+            f"{res['kind']}: recovery after {steps} steps (bars: mean, lines: min-max over seeds)", fontsize=9
+        )
+        for name, color in (("qat nvfp4", "#f0a94a"), ("qad nvfp4", "#5aa469")):
+            pts = sorted(
+                (s["steps"], 100 * s["test_recovery"])
+                for s in res["summary"]
+                if s["name"] == name and s.get("test_recovery") is not None
+            )
+            if pts:
+                curve.plot(*zip(*pts, strict=True), marker="o", color=color, label=name)
+        curve.set_xscale("log", base=2)
+        curve.set_xlabel("optimizer steps")
+        curve.set_ylabel("test recovery (%)")
+        curve.set_title(f"{res['kind']}: recovery against budget (first seed)", fontsize=9)
+        curve.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
@@ -424,36 +500,39 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     start = time.perf_counter()
-    tokens = args.steps * args.batch_size * args.seq_len
     budget = (
-        f"{args.steps} steps x {args.batch_size} x {args.seq_len} tokens = {tokens:,} tokens, lr {args.lr:g} "
-        f"(warm-up {args.warmup_ratio:g}, cosine), AdamW, seed {args.seed}"
+        f"{args.steps} steps x {args.batch_size} x {args.seq_len} tokens, lr {args.lr:g} (warm-up 10%, "
+        f"cosine), AdamW, QAD T={args.temperature:g}, seeds {args.seeds}"
     )
-    print(f"threads {args.threads}; QAT / QAD budget each: {budget}" + (" [--quick]" if args.quick else ""))
+    print(f"threads {args.threads}; every training row: {budget}" + (" [--quick]" if args.quick else ""))
     results = [measure(kind, args) for kind in args.models]
-    table = markdown(results)
+    for res in results:
+        res["summary"] = summarize(res)
+    table = markdown(results, args.steps)
     wall = time.perf_counter() - start
-    print(f"\n{table}\n\nQAT and QAD, each: {budget}. Total wall time {wall / 60:.1f} min.")
+    print(f"\n{table}\n\n{budget}. Total wall time {wall / 60:.1f} min.")
     if args.json:
         meta = {
             "command": " ".join(["benchmarks/accuracy.py", *(sys.argv[1:] if argv is None else argv)]),
-            "quick": args.quick, "threads": args.threads, "torch": torch.__version__,
-            "transformers": transformers.__version__, "wall_seconds": round(wall, 1),
-            "training": {"steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len,
-                         "tokens": tokens, "lr": args.lr, "warmup_ratio": args.warmup_ratio,
-                         "schedule": "linear warm-up, cosine to 0", "optimizer": "AdamW (weight decay 0)",
-                         "max_grad_norm": 1.0, "seed": args.seed,
-                         "qad_loss": "KL(teacher || student), T=1, no CE"},
-            "calibration": {"windows": args.calib_size, "seq_len": CALIB_SEQ, "batch": CALIB_BATCH},
-            "targets": {f"{fmt} {mode}": t for (fmt, mode), t in TARGETS.items()},
-        }  # fmt: skip
+            "date": time.strftime("%Y-%m-%d"),
+            "threads": args.threads,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "wall_seconds": round(wall, 1),
+            "budget": budget,
+            "amax_lr_multiplier": args.amax_lr_multiplier,
+            "targets": TARGETS,
+        }
         Path(args.json).write_text(json.dumps({"meta": meta, "models": results}, indent=1) + "\n")
         print(f"wrote {args.json}")
     if args.png:
-        plot(results, args.png, budget)
+        plot(results, args.png, args.steps)
         print(f"wrote {args.png}")
     missed = [
-        f"{res['kind']} {r['name']}" for res in results for r in res["rows"] if r.get("target_met") is False
+        f"{res['kind']} {s['name']}"
+        for res in results
+        for s in res["summary"]
+        if s.get("target_met") is False
     ]
     if missed:
         print(f"targets missed: {', '.join(missed)}")

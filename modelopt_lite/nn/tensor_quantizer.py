@@ -64,6 +64,7 @@ class TensorQuantizer(nn.Module):
         self._attrs = QuantizerAttributes()
         self._spec = self._attrs.spec()
         self.register_buffer("_amax", None)
+        self._scalar_amax = False  # a learnable per-tensor amax, stored with shape (1,)
         self.register_buffer("_pre_quant_scale", None)
         self._quant_enabled = True
         self._calib_enabled = False
@@ -100,7 +101,7 @@ class TensorQuantizer(nn.Module):
         learn_changed = new.learn_amax != self._attrs.learn_amax
         self._attrs, self._spec, self._calibrator = new, spec, calibrator
         if learn_changed and self._amax is not None:
-            self._store_amax(self._amax.detach().clone())  # a buffer becomes a Parameter, or back
+            self._store_amax(self.amax.detach().clone())  # a buffer becomes a Parameter, or back
         return self
 
     def set_attributes(self, attributes: QuantizerAttributes) -> TensorQuantizer:
@@ -144,8 +145,12 @@ class TensorQuantizer(nn.Module):
     # ----------------------------------------------------------------------- amax / scales
     @property
     def amax(self) -> torch.Tensor | None:
-        """The amax tensor (float32); an ``nn.Parameter`` when ``learn_amax`` is set."""
-        return self._amax
+        """The amax tensor (float32); with ``learn_amax``, the ``nn.Parameter`` (a per-tensor amax is held as
+        a 1-element vector, as FSDP2 cannot shard scalars, and read here as a scalar view of it)."""
+        amax = self._amax
+        if amax is not None and self._scalar_amax and amax.dim() == 1 and not hasattr(amax, "placements"):
+            return amax.view(())  # (a DTensor shard under FSDP2 is returned as it is)
+        return amax
 
     @amax.setter
     def amax(self, value: torch.Tensor | float | None) -> None:
@@ -167,12 +172,15 @@ class TensorQuantizer(nn.Module):
         """Set ``_amax``: a buffer, or a Parameter with ``learn_amax``. A Parameter of the same shape is
         updated in place, so that an optimizer that holds it keeps training the new values."""
         if value is None or not self._attrs.learn_amax:
+            self._scalar_amax = False
             if "_amax" in self._parameters:
                 del self._parameters["_amax"]
                 self.register_buffer("_amax", value)
             else:
                 self._amax = value
             return
+        self._scalar_amax = value.dim() == 0
+        value = value.reshape(1) if self._scalar_amax else value
         current = self.learnable_amax
         if current is not None and current.shape == value.shape:
             with torch.no_grad():
@@ -306,7 +314,10 @@ class TensorQuantizer(nn.Module):
             self._store_amax(value) if buf == "_amax" else setattr(self, buf, value)
 
     def buffer_shapes(self) -> dict[str, list[int]]:
-        return {b: list(getattr(self, b).shape) for b in _OPTIONAL_BUFFERS if getattr(self, b) is not None}
+        shapes = {b: list(t.shape) for b in _OPTIONAL_BUFFERS if (t := getattr(self, b)) is not None}
+        if self._scalar_amax:
+            shapes["_amax"] = []  # a learnable scalar is stored as (1,)
+        return shapes
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # type: ignore[override]
         # ``amax`` / ``pre_quant_scale`` exist only once set; create them from the checkpoint.
@@ -316,7 +327,12 @@ class TensorQuantizer(nn.Module):
                 ref = getattr(self, buf)
                 device = ref.device if ref is not None else state_dict[key].device
                 value = state_dict[key].detach().clone().to(device=device, dtype=torch.float32)
+                if buf == "_amax" and ref is not None and self.amax.dim() == 0 and value.numel() == 1:
+                    value = value.reshape(())  # a learnable scalar saved in its (1,) storage layout
                 self._store_amax(value) if buf == "_amax" else setattr(self, buf, value)
+                state_dict[key] = getattr(
+                    self, buf
+                ).detach()  # the stored layout ((1,) for a learnable scalar)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     # ----------------------------------------------------------------------- repr

@@ -16,6 +16,7 @@ Control flow of ``train()``:
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from accelerate.utils import DistributedType
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
-from ..distributed import all_ranks_succeed, is_sharded, rank, unsharded_class, world_size
+from ..distributed import all_ranks_succeed, all_reduce_max, is_sharded, rank, unsharded_class, world_size
 from ..export.shards import ShardWriter
 from ..logging import get_logger
 from ..opt.checkpoint import STATE_FILE
@@ -59,14 +60,18 @@ class _AmaxCheckCallback(TrainerCallback):
         params = self.trainer._amax_params
         if not params:
             return
-        with torch.no_grad():
-            lowest = torch.stack([p.detach().min() for p in params.values()])
-        if bool((lowest <= 0).any()):
-            name = list(params)[int(lowest.argmin())]
+        with torch.no_grad():  # this rank's values (its shards under FSDP2), then the minimum over ranks
+            local = {n: (p.to_local() if hasattr(p, "to_local") else p).detach() for n, p in params.items()}
+            lows = {n: float(t.min()) for n, t in local.items() if t.numel()}
+        name, low = min(lows.items(), key=lambda kv: kv[1], default=("", math.inf))
+        if world_size() > 1:
+            low = -float(all_reduce_max({"low": torch.tensor([-low])})["low"][0])
+        if low <= 0:
+            where = name if lows.get(name, math.inf) == low else "a learnable amax on another rank"
             raise RuntimeError(
-                f"step {state.global_step}: the learnable amax {name} went to {float(lowest.min()):.3g} "
-                f"(<= 0); lower QuantizationArguments.amax_lr_multiplier "
-                f"({self.trainer.quant_args.amax_lr_multiplier}) or the learning rate"
+                f"step {state.global_step}: the learnable amax {where} went to {low:.3g} (<= 0); lower "
+                f"QuantizationArguments.amax_lr_multiplier ({self.trainer.quant_args.amax_lr_multiplier}) "
+                "or the learning rate"
             )
 
 
@@ -193,9 +198,9 @@ class QATTrainer(Trainer):
         batches = self._calibration_batches() if need_calibration(config) else None
         samples = sum(len(next(iter(b.values()))) for b in batches or [])
         logger.info(
-            "quantizing with %s (calibration: %s%s) on %d sample(s)",
-            self.quant_args.recipe, config.algorithm_name,
-            ", learnable amax" if self.quant_args.learn_amax else "", samples,
+            "quantizing with %s and calibrating on %d sample(s) (algorithm %s%s)",
+            self.quant_args.recipe, samples, config.algorithm_name,
+            ", learnable amax" if self.quant_args.learn_amax else "",
         )  # fmt: skip
         quantize(model, config, batches, self.quant_args.experts_implementation)
 

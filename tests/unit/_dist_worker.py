@@ -12,6 +12,8 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch.distributed.fsdp import fully_shard
 
+from modelopt_lite.training.qat_trainer import learnable_amax_parameters
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import modelopt_lite.quantization as mtq
@@ -189,6 +191,9 @@ def qat_fsdp2(kind: str, out: Path, rank: int) -> None:
     stop = int(stop)
     args = cpu_args(out, max_steps=6, per_device_train_batch_size=2, save_strategy="steps", save_steps=3)
     quant = QuantizationArguments(recipe="NVFP4_DEFAULT_CFG", calib_size=8)
+    if mode == "la":  # learnable amax: INT8 weights per channel, inputs per tensor (1-element parameters)
+        quant = learn_amax_args()
+        args = cpu_args(out, max_steps=6, per_device_train_batch_size=2, optim="sgd", save_strategy="no")
     common = dict(
         model=tiny_llama(), args=args, train_dataset=CountingData(), quant_args=quant, callbacks=[StopAt()]
     )
@@ -216,8 +221,23 @@ def qat_fsdp2(kind: str, out: Path, rank: int) -> None:
         "sharded": type(weight).__name__,
         "amax": amax_of(trainer.model),
     }
+    if mode == "la":  # the learnable amax gathered whole, and how they were held
+        params = learnable_amax_parameters(trainer.model)
+        result["amax"] = {
+            n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in params.items()
+        }
+        result["amax_types"] = sorted({type(p).__name__ for p in params.values()})
     result["amax"] = {k: v.tolist() for k, v in result["amax"].items()}
-    (out / f"fsdp2_{stop}{'_resumed' if resume else ''}_{rank}.json").write_text(json.dumps(result))
+    suffix = "_resumed" if resume else "_la" if mode == "la" else ""
+    (out / f"fsdp2_{stop}{suffix}_{rank}.json").write_text(json.dumps(result))
+
+
+def learn_amax_args():
+    from modelopt_lite.training import QuantizationArguments
+
+    return QuantizationArguments(
+        recipe="INT8_DEFAULT_CFG", calib_size=8, learn_amax=True, amax_lr_multiplier=5.0
+    )
 
 
 def qat_not_distributed(kind: str, out: Path, rank: int) -> None:

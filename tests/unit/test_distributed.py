@@ -12,10 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import TrainerCallback
 
 import modelopt_lite.quantization as mtq
 
 from ._dist_worker import CONFIG, MODELS, amax_of, batches, full_state
+from ._models import tiny_llama
 
 pytestmark = pytest.mark.distributed
 WORKER = Path(__file__).with_name("_dist_worker.py")
@@ -132,6 +134,56 @@ def test_qat_under_fsdp2_resumes_exactly(tmp_path):
         assert first["losses"] == full["losses"][:3]
         assert resumed["losses"][-3:] == full["losses"][3:]
         assert resumed["amax"] == full["amax"]
+
+
+def test_learnable_amax_under_fsdp2_matches_one_process(tmp_path):
+    from modelopt_lite.training import QATTrainer
+    from modelopt_lite.training.qat_trainer import learnable_amax_parameters
+
+    from ._dist_worker import learn_amax_args
+    from ._training import CountingData, cpu_args
+
+    _torchrun("qat_fsdp2", "3:la", tmp_path)
+    ranks = [json.loads((tmp_path / f"fsdp2_3_la_{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["sharded"] == "DTensor"
+    assert ranks[0]["amax_types"] == ["DTensor"]  # sharded like every parameter, gathered in forward
+    assert ranks[0]["amax"] == ranks[1]["amax"]
+    # one process, the same global batches (2 ranks x 2 = 4) and steps; SGD (Adam's normalisation would
+    # magnify rounding differences of near-zero gradients into whole steps)
+    args = cpu_args(tmp_path / "one", max_steps=6, per_device_train_batch_size=4, optim="sgd")
+    one = QATTrainer(
+        model=tiny_llama(), args=args, train_dataset=CountingData(), quant_args=learn_amax_args()
+    )
+    one.add_callback(_StopAfter(3))
+    start = {n: p.detach().clone() for n, p in _calibrated(learn_amax_args()).items()}
+    one.train()
+    single = {n: p.detach() for n, p in learnable_amax_parameters(one.model).items()}
+    assert single.keys() == ranks[0]["amax"].keys()
+    assert len(single) == 2 * 7 * 2
+    for name, value in single.items():
+        torch.testing.assert_close(torch.tensor(ranks[0]["amax"][name]), value, rtol=1e-4, atol=1e-6)
+    moved = [n for n in single if not torch.equal(torch.tensor(ranks[0]["amax"][n]), start[n])]
+    assert len(moved) >= len(single) // 2  # and they were trained (some gradients are below one ulp)
+
+
+def _calibrated(quant):
+    """The learnable amax of the model the trainers start from (calibrated, not trained)."""
+    from modelopt_lite.quantization import quantize
+    from modelopt_lite.training.qat_trainer import learnable_amax_parameters
+
+    from ._training import CountingData
+
+    data = CountingData()
+    model = quantize(tiny_llama(), quant.quantize_config(), [data.ids[i : i + 1] for i in range(8)])
+    return learnable_amax_parameters(model)
+
+
+class _StopAfter(TrainerCallback):
+    def __init__(self, steps):
+        self.steps = steps
+
+    def on_step_end(self, args, state, control, **kwargs):
+        control.should_training_stop = state.global_step >= self.steps
 
 
 def test_qad_under_fsdp2_shards_the_teacher(tmp_path):

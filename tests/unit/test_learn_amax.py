@@ -130,11 +130,18 @@ def test_toggling_learn_amax_keeps_the_value_and_dtype_moves_keep_float32():
     q = TensorQuantizer("q", num_bits=8)
     q.amax = 2.5
     q.learn_amax = True
-    assert isinstance(q.amax, torch.nn.Parameter)
+    assert isinstance(q.learnable_amax, torch.nn.Parameter)
+    assert q.learnable_amax.shape == (1,)  # FSDP2 shards no scalar parameter
+    assert q.amax.shape == ()
     assert q.amax.item() == 2.5
     q.to(torch.bfloat16)
     assert q.amax.dtype == torch.float32
-    assert isinstance(q.amax, torch.nn.Parameter)
+    assert isinstance(q.learnable_amax, torch.nn.Parameter)
+    restored = TensorQuantizer("q", num_bits=8, learn_amax=True)
+    restored.allocate_buffers(q.buffer_shapes())
+    restored.load_state_dict(q.state_dict())
+    assert restored.amax.shape == ()
+    assert restored.amax.item() == 2.5
     q.learn_amax = False
     assert not isinstance(q.amax, torch.nn.Parameter)
     assert q.amax.item() == 2.5

@@ -8,14 +8,21 @@ and standard-library docstrings), with a byte-level BPE tokenizer; cached per us
     model, tokenizer = load_default_model("dense")
     heldout = corpus_texts("heldout")                # never seen in training
 
+The benchmark models ``"bench-dense"`` and ``"bench-moe"`` (``BENCH_DENSE``, ``BENCH_MOE``) are trained
+longer, on the ``"fit"`` split only, so that ``"validation"`` (for choices) and ``"test"`` (= ``"heldout"``)
+are held out from them; ``corpus_texts("fit" | "validation" | "test")`` gives that three-way split.
+
 This package sits on the lowest floor: it needs transformers and tokenizers only.
 """
 
 from .cache import build_default_model, cache_root, default_model_path, load_default_model
 from .corpus import corpus_digest, corpus_documents, corpus_texts
-from .specs import DENSE, KINDS, MOE, DefaultModelSpec
+from .specs import BENCH_DENSE, BENCH_KINDS, BENCH_MOE, DENSE, KINDS, MOE, DefaultModelSpec
 
 __all__ = [
+    "BENCH_DENSE",
+    "BENCH_KINDS",
+    "BENCH_MOE",
     "DENSE",
     "KINDS",
     "MOE",

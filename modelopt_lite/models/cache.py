@@ -125,8 +125,10 @@ def _move_into_place(staging: Path, target: Path) -> None:
 
 
 def default_model_path(kind: str = "dense", train_if_missing: bool = True, *, force: bool = False) -> Path:
-    """Directory of the default ``"dense"`` (Llama) or ``"moe"`` (Qwen3-MoE) model, a Hugging Face checkpoint
-    with its tokenizer. Trained on first use (a few minutes on CPU) unless ``train_if_missing=False``."""
+    """Directory of the default ``"dense"`` (Llama) or ``"moe"`` (Qwen3-MoE) model, or of the benchmark
+    model ``"bench-dense"`` / ``"bench-moe"`` (trained longer, on the ``"fit"`` split only), a Hugging Face
+    checkpoint with its tokenizer. Trained on first use (a few minutes on CPU; about 15 for a benchmark
+    model) unless ``train_if_missing=False``."""
     spec = spec_for(kind)
     target = cache_root() / spec.dirname
     if not _complete(target) and not train_if_missing and not force:

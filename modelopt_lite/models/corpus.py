@@ -7,6 +7,11 @@ of a text kept), then every ``pydoc_data.topics`` entry (the reference manual's 
 The split is by document: a document is held out when the first 8 hex digits of the SHA-256 of its text, as
 an integer, are below ``HELDOUT_PERCENT`` percent of 2**32. It therefore does not depend on the order or on
 which other documents exist, and a text is on the same side on every machine and every Python version.
+
+The benchmark models use a three-way split of the same documents: ``"test"`` is exactly ``"heldout"``;
+``"validation"`` is the training documents whose next 8 hex digits (digits 8 to 15 of the same SHA-256) are
+below ``VALIDATION_PERCENT`` percent of 2**32 (about a tenth of ``"train"``); ``"fit"`` is the rest of
+``"train"``, what a benchmark model trains on. ``"train"``, ``"heldout"`` and ``"all"`` are unchanged.
 The corpus itself differs a little between CPython versions (docstrings change); ``corpus_digest`` names it.
 """
 
@@ -21,11 +26,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-__all__ = ["HELDOUT_PERCENT", "Document", "corpus_digest", "corpus_documents", "corpus_texts"]
+__all__ = [
+    "HELDOUT_PERCENT",
+    "SPLITS",
+    "VALIDATION_PERCENT",
+    "Document",
+    "corpus_digest",
+    "corpus_documents",
+    "corpus_texts",
+]
 
-Split = Literal["train", "heldout", "all"]
-SPLITS: tuple[str, ...] = ("train", "heldout", "all")
+Split = Literal["train", "heldout", "all", "fit", "validation", "test"]
+SPLITS: tuple[str, ...] = ("train", "heldout", "all", "fit", "validation", "test")
 HELDOUT_PERCENT = 10
+VALIDATION_PERCENT = 10
 
 
 @dataclass(frozen=True)
@@ -37,8 +51,22 @@ class Document:
 
     @property
     def heldout(self) -> bool:
-        digest = hashlib.sha256(self.text.encode("utf-8")).hexdigest()
-        return int(digest[:8], 16) < HELDOUT_PERCENT * (1 << 32) // 100
+        """In ``"heldout"`` (= ``"test"``): the SHA-256's first 8 hex digits below ``HELDOUT_PERCENT`` %."""
+        return int(self._digest()[:8], 16) < HELDOUT_PERCENT * (1 << 32) // 100
+
+    @property
+    def validation(self) -> bool:
+        """In ``"validation"``: a training document whose SHA-256 hex digits 8 to 15 are below
+        ``VALIDATION_PERCENT`` % (a slice independent of the held-out one)."""
+        return not self.heldout and int(self._digest()[8:16], 16) < VALIDATION_PERCENT * (1 << 32) // 100
+
+    @property
+    def split(self) -> str:
+        """The document's side in the three-way split: ``"fit"``, ``"validation"`` or ``"test"``."""
+        return "test" if self.heldout else "validation" if self.validation else "fit"
+
+    def _digest(self) -> str:
+        return hashlib.sha256(self.text.encode("utf-8")).hexdigest()
 
 
 @functools.lru_cache(maxsize=1)
@@ -68,14 +96,17 @@ def corpus_documents() -> tuple[Document, ...]:
 
 
 def corpus_texts(split: Split = "train") -> list[str]:
-    """The texts of one split, ``"train"``, ``"heldout"`` (about ``HELDOUT_PERCENT`` % of the documents,
-    never seen in training) or ``"all"``, in the corpus order."""
+    """The texts of one split, in the corpus order: ``"train"``, ``"heldout"`` (about ``HELDOUT_PERCENT`` %
+    of the documents, never seen in training) or ``"all"``; or, for the benchmark models, ``"fit"``,
+    ``"validation"`` (about ``VALIDATION_PERCENT`` % of ``"train"``) and ``"test"`` (= ``"heldout"``)."""
     if split not in SPLITS:
         raise ValueError(f"corpus split {split!r}: choose one of {list(SPLITS)}")
     docs = corpus_documents()
     if split == "all":
         return [d.text for d in docs]
-    return [d.text for d in docs if d.heldout == (split == "heldout")]
+    if split in ("train", "heldout"):
+        return [d.text for d in docs if d.heldout == (split == "heldout")]
+    return [d.text for d in docs if d.split == split]
 
 
 def corpus_digest() -> str:

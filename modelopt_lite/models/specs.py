@@ -15,12 +15,29 @@ from typing import Any, Literal
 
 from .corpus import corpus_digest
 
-__all__ = ["DENSE", "FORMAT", "KINDS", "MOE", "SPECS", "DefaultModelSpec", "spec_for"]
+__all__ = [
+    "ALL_KINDS",
+    "BENCH_DENSE",
+    "BENCH_KINDS",
+    "BENCH_MOE",
+    "DENSE",
+    "FORMAT",
+    "KINDS",
+    "MOE",
+    "SPECS",
+    "DefaultModelSpec",
+    "spec_for",
+]
 
-Kind = Literal["dense", "moe"]
-KINDS: tuple[str, ...] = ("dense", "moe")
+Kind = Literal["dense", "moe", "bench-dense", "bench-moe"]
+KINDS: tuple[str, ...] = ("dense", "moe")  # the default models
+BENCH_KINDS: tuple[str, ...] = ("bench-dense", "bench-moe")  # the benchmark models
+ALL_KINDS: tuple[str, ...] = KINDS + BENCH_KINDS
 FORMAT = 1  # bump when the training code changes what a spec produces
 _ARCHITECTURES = ("llama", "qwen3_moe")
+_TRAIN_SPLITS = ("train", "fit")
+# fields added after the default models were first released, with the default that keeps their version
+_LATER_FIELDS: dict[str, Any] = {"train_split": "train"}
 
 
 @dataclass(frozen=True)
@@ -29,7 +46,12 @@ class DefaultModelSpec:
     special token ids and ``max_position_embeddings = seq_len`` are added); the rest is the training recipe:
     AdamW (betas 0.9 / 0.95, weight decay on matrices only), linear warm-up then cosine decay to
     ``min_lr_ratio * lr``, ``steps`` batches of ``batch_size`` random windows of ``seq_len`` training tokens,
-    gradient clipping, seed. ``max_documents`` keeps only the first documents of each split (tests)."""
+    gradient clipping, seed. ``max_documents`` keeps only the first documents of each split (tests).
+
+    ``train_split``: ``"train"`` (the default models: evaluated on ``"heldout"``) or ``"fit"`` (the benchmark
+    models: trained on ``"fit"`` only, evaluated on ``"validation"`` and ``"test"``; see ``corpus``). Left at
+    its default it is not part of ``to_json``, so the default models' ``version`` is the one it was before
+    the field existed."""
 
     name: str
     architecture: str
@@ -46,6 +68,7 @@ class DefaultModelSpec:
     router_aux_loss_coef: float = 0.01
     seed: int = 0
     max_documents: int | None = None
+    train_split: str = "train"
 
     def __post_init__(self) -> None:
         if self.architecture not in _ARCHITECTURES:
@@ -55,9 +78,17 @@ class DefaultModelSpec:
                 raise ValueError(f"DefaultModelSpec.{name}={getattr(self, name)}: must be a positive integer")
         if not 0 <= self.warmup_steps <= self.steps:
             raise ValueError(f"warmup_steps={self.warmup_steps}: must be between 0 and steps={self.steps}")
+        if self.train_split not in _TRAIN_SPLITS:
+            raise ValueError(f"train_split {self.train_split!r}: choose one of {list(_TRAIN_SPLITS)}")
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The spec as a dict; fields added after the first release are left out at their default value
+        (``version`` hashes this: the default models keep their cache directory)."""
+        out = dataclasses.asdict(self)
+        for name, default in _LATER_FIELDS.items():
+            if out[name] == default:
+                del out[name]
+        return out
 
     @property
     def version(self) -> str:
@@ -102,10 +133,52 @@ MOE = DefaultModelSpec(
     ),
     steps=600,
 )
-SPECS: dict[str, DefaultModelSpec] = {"dense": DENSE, "moe": MOE}
+BENCH_DENSE = DefaultModelSpec(
+    name="llama-bench",
+    architecture="llama",
+    model_config=dict(
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    ),
+    steps=900,
+    warmup_steps=50,
+    min_lr_ratio=0.05,
+    train_split="fit",
+)
+BENCH_MOE = DefaultModelSpec(
+    name="qwen3-moe-bench",
+    architecture="qwen3_moe",
+    model_config=dict(
+        hidden_size=192,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=48,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        tie_word_embeddings=False,
+    ),
+    steps=1000,
+    warmup_steps=50,
+    min_lr_ratio=0.05,
+    train_split="fit",
+)
+SPECS: dict[str, DefaultModelSpec] = {
+    "dense": DENSE,
+    "moe": MOE,
+    "bench-dense": BENCH_DENSE,
+    "bench-moe": BENCH_MOE,
+}
 
 
 def spec_for(kind: str) -> DefaultModelSpec:
     if kind not in SPECS:
-        raise ValueError(f"default model kind {kind!r}: choose one of {list(KINDS)}")
+        raise ValueError(f"default model kind {kind!r}: choose one of {list(ALL_KINDS)}")
     return SPECS[kind]

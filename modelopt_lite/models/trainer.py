@@ -2,6 +2,8 @@
 
 ``train(spec)`` returns the model, its tokenizer and a report (parameter count, seconds, held-out perplexity
 and the unigram baseline on the same tokens); it writes nothing (``cache.build_default_model`` does).
+A benchmark spec (``train_split="fit"``) trains its tokenizer and model on the ``"fit"`` split only and also
+reports the ``"validation"`` perplexity; its ``heldout_perplexity`` is the ``"test"`` (= ``"heldout"``) one.
 """
 
 from __future__ import annotations
@@ -119,9 +121,12 @@ def _texts(split: str, spec: DefaultModelSpec) -> list[str]:
 def train(spec: DefaultModelSpec, *, progress: bool = True) -> TrainResult:
     """Tokenizer, model and training loop for ``spec``; one spec and thread count give the same weights."""
     start = time.perf_counter()
-    train_texts, heldout_texts = _texts("train", spec), _texts("heldout", spec)
+    train_texts, heldout_texts = _texts(spec.train_split, spec), _texts("heldout", spec)
     tokenizer = train_tokenizer(train_texts, spec.vocab_size)
     train_ids, heldout_ids = token_stream(tokenizer, train_texts), token_stream(tokenizer, heldout_texts)
+    validation_ids = (
+        token_stream(tokenizer, _texts("validation", spec)) if spec.train_split == "fit" else None
+    )
     if train_ids.numel() <= spec.seq_len:
         raise ValueError(
             f"{spec.name}: {train_ids.numel()} training tokens, need more than seq_len={spec.seq_len}; "
@@ -167,7 +172,7 @@ def train(spec: DefaultModelSpec, *, progress: bool = True) -> TrainResult:
     ppl = heldout_perplexity(model, heldout_ids, spec.seq_len)
     baseline = unigram_perplexity(train_ids, heldout_ids, len(tokenizer), spec.seq_len)
     last = losses[-min(20, len(losses)) :]
-    report = {
+    report: dict[str, Any] = {
         "parameters": n_params,
         "train_tokens": train_ids.numel(),
         "heldout_tokens": heldout_ids.numel(),
@@ -177,6 +182,11 @@ def train(spec: DefaultModelSpec, *, progress: bool = True) -> TrainResult:
         "heldout_perplexity": round(ppl, 3),
         "unigram_perplexity": round(baseline, 3),
     }
+    if validation_ids is not None:
+        report["train_split"] = spec.train_split
+        report["validation_tokens"] = validation_ids.numel()
+        report["validation_perplexity"] = round(heldout_perplexity(model, validation_ids, spec.seq_len), 3)
+        report["test_perplexity"] = report["heldout_perplexity"]
     logger.info(
         "trained %s in %.0f s: held-out perplexity %.2f (unigram baseline %.2f)",
         spec.name, train_s, ppl, baseline,

@@ -1,5 +1,6 @@
 """The bundled default models (modelopt_lite.models): corpus split, tokenizer, deterministic training with a
-tiny budget, atomic cache writes, reuse, the API and command, and the PTQ command line's default."""
+tiny budget, atomic cache writes, reuse, the API and command, and the PTQ command line's default; the
+benchmark models (three-way split, their specs and kinds) and the default models' unchanged versions."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import pytest
 import torch
 
 from modelopt_lite.models import (
+    BENCH_DENSE,
+    BENCH_MOE,
     DENSE,
     MOE,
     build_default_model,
@@ -46,6 +49,8 @@ def _cache(tmp_path, monkeypatch):
 def tiny_specs(monkeypatch):
     monkeypatch.setitem(specs.SPECS, "dense", tiny(DENSE))
     monkeypatch.setitem(specs.SPECS, "moe", tiny(MOE))
+    monkeypatch.setitem(specs.SPECS, "bench-dense", tiny(BENCH_DENSE))
+    monkeypatch.setitem(specs.SPECS, "bench-moe", tiny(BENCH_MOE))
     return specs.SPECS
 
 
@@ -76,7 +81,26 @@ def test_split_disjoint_covering_and_stable():
     assert corpus_texts("heldout") == held
     assert corpus.corpus_digest() == digest
     with pytest.raises(ValueError, match="'heldout'"):
-        corpus_texts("validation")  # type: ignore[arg-type]
+        corpus_texts("dev")  # type: ignore[arg-type]
+
+
+def test_three_way_split_for_the_benchmark_models():
+    train, held = corpus_texts("train"), corpus_texts("heldout")
+    fit, val, test = corpus_texts("fit"), corpus_texts("validation"), corpus_texts("test")
+    assert test == held  # nothing a default model trained on is in test
+    assert not set(fit) & set(val)
+    assert not (set(fit) | set(val)) & set(test)
+    assert sorted(fit + val) == sorted(train)  # validation is carved out of the old train split
+    assert [t for t in train if t in set(fit)] == fit  # corpus order kept
+    assert 0.05 < len(val) / len(train) < 0.15
+    assert min(len(fit), len(val)) > 100
+    # the validation side depends on the text only: SHA-256 hex digits 8 to 15 (not the held-out slice)
+    for doc in corpus.corpus_documents()[:200]:
+        h = hashlib.sha256(doc.text.encode()).hexdigest()
+        in_val = not doc.heldout and int(h[8:16], 16) < 0.10 * 2**32
+        assert doc.validation == in_val
+        assert doc.split == ("test" if doc.heldout else "validation" if in_val else "fit")
+    assert corpus.SPLITS[:3] == ("train", "heldout", "all")
 
 
 def test_corpus_ignores_libraries_patching_the_stdlib(monkeypatch):
@@ -140,6 +164,68 @@ def test_a_small_budget_beats_the_unigram_baseline():
     spec = tiny(DENSE, steps=60, warmup_steps=5, batch_size=8, max_documents=300, lr=1e-2)
     report = trainer.train(spec, progress=False).report
     assert report["heldout_perplexity"] < 0.8 * report["unigram_perplexity"]
+
+
+# the versions of the default models before the benchmark models existed (corpus digest 1aa9d39292a8a695 is
+# CPython 3.11's corpus); the spec JSON digests hold on every CPython
+_DEFAULT_VERSIONS = {"1aa9d39292a8a695": {"dense": "5033eb597b", "moe": "5e81c7ebc4"}}
+_DEFAULT_SPEC_DIGESTS = {"dense": "a7f441329bfc40f1", "moe": "b1b341a1d6adc221"}
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_default_model_versions_are_unchanged(kind):
+    spec = specs.spec_for(kind)
+    payload = json.dumps(spec.to_json(), sort_keys=True)
+    assert hashlib.sha256(payload.encode()).hexdigest()[:16] == _DEFAULT_SPEC_DIGESTS[kind]
+    assert "train_split" not in spec.to_json()
+    assert specs.FORMAT == 1
+    known = _DEFAULT_VERSIONS.get(corpus.corpus_digest())
+    if known is not None:
+        assert spec.version == known[kind]
+    assert spec.train_split == "train"
+    assert dataclasses.replace(spec, train_split="fit").version != spec.version
+
+
+def test_benchmark_specs_and_kinds():
+    assert specs.KINDS == ("dense", "moe")  # `--kind all` and the PTQ command's default models
+    assert specs.BENCH_KINDS == ("bench-dense", "bench-moe")
+    assert specs.spec_for("bench-dense") is BENCH_DENSE
+    assert specs.spec_for("bench-moe") is BENCH_MOE
+    assert BENCH_DENSE.architecture == "llama"
+    assert BENCH_MOE.architecture == "qwen3_moe"
+    assert BENCH_MOE.model_config["num_experts"] == 8
+    assert BENCH_MOE.model_config["num_experts_per_tok"] == 2
+    for spec in (BENCH_DENSE, BENCH_MOE):
+        assert spec.train_split == "fit"
+        assert spec.to_json()["train_split"] == "fit"
+    assert len({s.dirname for s in specs.SPECS.values()}) == 4
+    assert BENCH_DENSE.dirname.startswith("llama-bench-")
+    assert BENCH_MOE.dirname.startswith("qwen3-moe-bench-")
+    with pytest.raises(ValueError, match="'bench-moe'"):
+        specs.spec_for("bench")
+    with pytest.raises(ValueError, match="train_split"):
+        dataclasses.replace(DENSE, train_split="heldout")
+
+
+def test_a_benchmark_model_trains_on_fit_and_reports_validation(monkeypatch):
+    asked: list[str] = []
+
+    def recording(split):
+        asked.append(split)
+        return corpus_texts(split)
+
+    monkeypatch.setattr(trainer, "corpus_texts", recording)
+    report = trainer.train(tiny(BENCH_DENSE), progress=False).report
+    assert asked == ["fit", "heldout", "validation"]
+    assert report["train_split"] == "fit"
+    assert report["test_perplexity"] == report["heldout_perplexity"]
+    assert report["validation_perplexity"] > 1
+    assert report["validation_tokens"] > 0
+    asked.clear()
+    default = trainer.train(tiny(DENSE), progress=False).report
+    assert asked == ["train", "heldout"]
+    assert "validation_perplexity" not in default
+    assert "train_split" not in default
 
 
 def test_spec_version_names_the_recipe():
@@ -311,6 +397,26 @@ def test_command(tiny_specs, lib_caplog, capsys):
         cli.main(["--help"])
     assert exit_.value.code == 0
     assert "--force" in capsys.readouterr().out
+
+
+def test_benchmark_kinds_build_load_and_command(tiny_specs, lib_caplog):
+    from modelopt_lite.models import load_default_model
+
+    lib_caplog.set_level("INFO", logger="modelopt_lite")
+    with pytest.raises(FileNotFoundError, match="--kind bench-moe"):
+        default_model_path("bench-moe", train_if_missing=False)
+    assert cli.main(["--kind", "bench"]) == 0
+    for kind in ("bench-dense", "bench-moe"):
+        path = default_model_path(kind, train_if_missing=False)
+        assert path == cache_root() / tiny_specs[kind].dirname
+        info = json.loads((path / cache_mod.MARKER).read_text())
+        assert info["spec"]["train_split"] == "fit"
+        assert info["report"]["validation_perplexity"] > 1
+        assert str(path) in lib_caplog.text
+    assert "validation perplexity" in lib_caplog.text
+    assert not (cache_root() / tiny_specs["dense"].dirname).exists()  # `bench` builds only the bench models
+    model, _ = load_default_model("bench-moe", train_if_missing=False)
+    assert type(model).__name__ == "Qwen3MoeForCausalLM"
 
 
 # ----------------------------------------------------------------------------------- PTQ command default

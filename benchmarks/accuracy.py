@@ -34,9 +34,9 @@ unquantized model as the frozen teacher (KL at ``--temperature``, no CE); ``+la`
 amax learnable (``learn_amax``, lr x ``--amax-lr-multiplier``); ``ft`` = the unquantized model fine-tuned
 with a plain ``Trainer`` and the same budget and lr (the control of QAT). Budget: ``--steps`` optimizer steps
 of ``--batch-size`` x ``--seq-len`` tokens, AdamW (weight decay 0), peak ``--lr``, linear warm-up over 10%,
-cosine to 0, gradient clipping 1.0; every seed in ``--seeds`` runs every training row (data order and
-initialisation of the Trainer). ``--budgets`` adds ``qat nvfp4`` / ``qad nvfp4`` / ``ft`` at each step count
-(first seed only): is recovery still rising?
+cosine to 0, gradient clipping 1.0. Seeds (``--seeds``) set the data order and the Trainer's initialisation:
+the first seed runs every training row, the others only the ``--seeded-rows``. ``--budgets`` adds
+``qat nvfp4`` / ``qad nvfp4`` / ``ft`` at each step count (first seed only): is recovery still rising?
 
 Recovery, per split (a row that starts from a lever's PTQ row, ``nvfp4_rot`` / ``nvfp4_awq`` / ``int4_awq``,
 is measured against the gap of the plain format's PTQ row, ``nvfp4`` / ``int4``: ``gap_of`` in the JSON):
@@ -109,7 +109,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (QAT, QAD and the control)")
     p.add_argument("--temperature", type=float, default=1.0, help="QAD softmax temperature")
     p.add_argument("--amax-lr-multiplier", type=float, default=1.0, help="lr of learnable amax (+la rows)")
-    p.add_argument("--seeds", default="0", help="comma-separated Trainer seeds; each runs every training row")
+    p.add_argument("--seeds", default="0", help="comma-separated Trainer seeds (the first runs every row)")
+    p.add_argument(
+        "--seeded-rows",
+        default="qat nvfp4,qad nvfp4",
+        help="training rows that run on every seed (the others run on the first seed only)",
+    )
     p.add_argument("--calib-size", type=int, default=32, help="calibration windows of 256 tokens")
     p.add_argument("--eval-windows", type=int, default=None, help="cap on validation / test windows")
     p.add_argument("--ptq", default=",".join(PTQ_ROWS), help="PTQ rows")
@@ -119,6 +124,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--png", help="write recovery bars and budget curves here (needs matplotlib)")
     args = p.parse_args(argv)
     args.models, args.ptq, args.rows = _csv(args.models), _csv(args.ptq), _csv(args.rows)
+    args.seeded_rows = _csv(args.seeded_rows)
     try:
         args.seeds = [int(s) for s in _csv(args.seeds)]
         args.budgets = [int(s) for s in _csv(args.budgets)]
@@ -365,14 +371,14 @@ def measure(kind: str, args: argparse.Namespace) -> dict[str, Any]:
         print(f"    test recovery {rec}; {stats['train_seconds']:.0f} s")
 
     controls: dict[tuple[int, int], dict[str, Any]] = {}
-    for seed in args.seeds:
-        needs_control = args.control and any(TRAIN_ROWS[r][0] == "qat" for r in args.rows)
-        if needs_control:
+    for i, seed in enumerate(args.seeds):
+        names = [r for r in args.rows if i == 0 or r in args.seeded_rows]
+        if args.control and any(TRAIN_ROWS[r][0] == "qat" for r in names):
             model, stats = _train(
                 "ft", copy.deepcopy(base), None, train_set, tokenizer, args, args.steps, seed
             )
             controls[(args.steps, seed)] = add("ft", "ft", model, seed=seed, **stats)
-        for name in args.rows:
+        for name in names:
             trained(name, args.steps, seed, controls)
     for steps in args.budgets:  # recovery against budget, first seed
         if steps == args.steps:

@@ -133,43 +133,10 @@ MOE = DefaultModelSpec(
     ),
     steps=600,
 )
-BENCH_DENSE = DefaultModelSpec(
-    name="llama-bench",
-    architecture="llama",
-    model_config=dict(
-        hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-    ),
-    steps=900,
-    warmup_steps=50,
-    min_lr_ratio=0.05,
-    train_split="fit",
-)
-BENCH_MOE = DefaultModelSpec(
-    name="qwen3-moe-bench",
-    architecture="qwen3_moe",
-    model_config=dict(
-        hidden_size=192,
-        intermediate_size=512,
-        moe_intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=48,
-        num_experts=8,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        tie_word_embeddings=False,
-    ),
-    steps=1000,
-    warmup_steps=50,
-    min_lr_ratio=0.05,
-    train_split="fit",
-)
+# the benchmark models: the default architectures trained on the fit split only, longer, to a lower lr
+_BENCH = dict(warmup_steps=50, min_lr_ratio=0.05, train_split="fit")
+BENCH_DENSE = dataclasses.replace(DENSE, name="llama-bench", steps=900, **_BENCH)
+BENCH_MOE = dataclasses.replace(MOE, name="qwen3-moe-bench", steps=1000, **_BENCH)
 SPECS: dict[str, DefaultModelSpec] = {
     "dense": DENSE,
     "moe": MOE,

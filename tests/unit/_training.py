@@ -1,7 +1,7 @@
 """Shared pieces of the trainer tests: a learnable token dataset and TrainingArguments for CPU runs."""
 
 import torch
-from transformers import TrainingArguments
+from transformers import TrainerCallback, TrainingArguments
 
 from ._models import VOCAB
 
@@ -41,3 +41,14 @@ def cpu_args(tmp_path, **overrides) -> TrainingArguments:
 
 def step_losses(trainer) -> list[float]:
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+class StopAt(TrainerCallback):
+    """Stop after ``step`` optimizer steps (a shorter run on the same schedule as a longer one)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= self.step:
+            control.should_training_stop = True

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import TrainerCallback
 
 import modelopt_lite.quantization as mtq
 
@@ -141,7 +140,7 @@ def test_learnable_amax_under_fsdp2_matches_one_process(tmp_path):
     from modelopt_lite.training.qat_trainer import learnable_amax_parameters
 
     from ._dist_worker import learn_amax_args
-    from ._training import CountingData, cpu_args
+    from ._training import CountingData, StopAt, cpu_args
 
     _torchrun("qat_fsdp2", "3:la", tmp_path)
     ranks = [json.loads((tmp_path / f"fsdp2_3_la_{r}.json").read_text()) for r in (0, 1)]
@@ -154,7 +153,7 @@ def test_learnable_amax_under_fsdp2_matches_one_process(tmp_path):
     one = QATTrainer(
         model=tiny_llama(), args=args, train_dataset=CountingData(), quant_args=learn_amax_args()
     )
-    one.add_callback(_StopAfter(3))
+    one.add_callback(StopAt(3))
     start = {n: p.detach().clone() for n, p in _calibrated(learn_amax_args()).items()}
     one.train()
     single = {n: p.detach() for n, p in learnable_amax_parameters(one.model).items()}
@@ -176,14 +175,6 @@ def _calibrated(quant):
     data = CountingData()
     model = quantize(tiny_llama(), quant.quantize_config(), [data.ids[i : i + 1] for i in range(8)])
     return learnable_amax_parameters(model)
-
-
-class _StopAfter(TrainerCallback):
-    def __init__(self, steps):
-        self.steps = steps
-
-    def on_step_end(self, args, state, control, **kwargs):
-        control.should_training_stop = state.global_step >= self.steps
 
 
 def test_qad_under_fsdp2_shards_the_teacher(tmp_path):

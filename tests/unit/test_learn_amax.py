@@ -4,7 +4,6 @@ straight-through input gradient), through the trainers' param group, checkpoints
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import TrainerCallback
 
 import modelopt_lite.quantization as mtq
 from modelopt_lite.export import export_hf_checkpoint
@@ -22,7 +21,7 @@ from modelopt_lite.training import QATTrainer, QuantizationArguments
 from modelopt_lite.training.qat_trainer import learnable_amax_parameters
 
 from ._models import batches, tiny_llama, tiny_qwen3_moe
-from ._training import CountingData, cpu_args, step_losses
+from ._training import CountingData, StopAt, cpu_args, step_losses
 
 assert len(E2M1_VALUES) == 8
 
@@ -170,21 +169,12 @@ def test_a_reference_config_with_learn_amax_trains_every_amax():
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in params.values())
 
 
-class _StopAt(TrainerCallback):
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step >= self.step:
-            control.should_training_stop = True
-
-
 def _trainer(tmp_path, quant_args, steps=6, resume=None, save_steps=100, model=None):
     """``steps`` of a 6-step schedule (a shorter run stops early, so that the learning rates agree)."""
     args = cpu_args(tmp_path, max_steps=max(steps, 6), save_strategy="steps", save_steps=save_steps,
                     weight_decay=0.1)  # fmt: skip
     trainer = QATTrainer(model=model or tiny_llama(), args=args, train_dataset=CountingData(n=64),
-                         quant_args=quant_args, callbacks=[_StopAt(steps)])  # fmt: skip
+                         quant_args=quant_args, callbacks=[StopAt(steps)])  # fmt: skip
     trainer.train(resume_from_checkpoint=resume)
     return trainer
 

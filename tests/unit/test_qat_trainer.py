@@ -16,7 +16,7 @@ from modelopt_lite.quantization import iter_quantizers, quant_state
 from modelopt_lite.training import QATTrainer, QuantizationArguments
 
 from ._models import tiny_llama
-from ._training import CountingData, cpu_args, step_losses
+from ._training import CountingData, StopAt, cpu_args, step_losses
 
 NVFP4 = QuantizationArguments(recipe="NVFP4_DEFAULT_CFG", calib_size=8)
 
@@ -110,19 +110,10 @@ def _run(tmp_path, steps, resume=None, save_steps=5):
         args=args,
         train_dataset=CountingData(n=64),
         quant_args=NVFP4,
-        callbacks=[_StopAt(steps)],
+        callbacks=[StopAt(steps)],
     )
     trainer.train(resume_from_checkpoint=resume)
     return trainer
-
-
-class _StopAt(TrainerCallback):
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step >= self.step:
-            control.should_training_stop = True
 
 
 def test_resume_is_exact(tmp_path):

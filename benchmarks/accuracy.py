@@ -120,6 +120,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ptq", default=",".join(PTQ_ROWS), help="PTQ rows")
     p.add_argument("--rows", default=",".join(DEFAULT_TRAIN), help=f"training rows from {list(TRAIN_ROWS)}")
     p.add_argument("--no-control", dest="control", action="store_false", help="skip the ft control")
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="JSON",
+        help="measure nothing: combine the --json files of earlier runs (e.g. one per model, run side by "
+        "side) into one table / --json / --png",
+    )
     p.add_argument("--json", help="write the numbers here")
     p.add_argument("--png", help="write recovery bars and budget curves here (needs matplotlib)")
     args = p.parse_args(argv)
@@ -511,7 +518,16 @@ def main(argv: list[str] | None = None) -> int:
         f"cosine), AdamW, QAD T={args.temperature:g}, seeds {args.seeds}"
     )
     print(f"threads {args.threads}; every training row: {budget}" + (" [--quick]" if args.quick else ""))
-    results = [measure(kind, args) for kind in args.models]
+    if args.merge:
+        runs = [json.loads(Path(f).read_text()) for f in args.merge]
+        results = [m for run in runs for m in run["models"]]
+        steps = {run["meta"].get("steps", args.steps) for run in runs}
+        if len(steps) != 1:
+            raise SystemExit(f"--merge: the runs used different --steps {sorted(steps)}")
+        args.steps = steps.pop()
+        budget = " | ".join(sorted({run["meta"]["budget"] for run in runs}))
+    else:
+        results = [measure(kind, args) for kind in args.models]
     for res in results:
         res["summary"] = summarize(res)
     table = markdown(results, args.steps)
@@ -526,6 +542,8 @@ def main(argv: list[str] | None = None) -> int:
             "transformers": transformers.__version__,
             "wall_seconds": round(wall, 1),
             "budget": budget,
+            "steps": args.steps,
+            "merged": [run["meta"] for run in runs] if args.merge else None,
             "amax_lr_multiplier": args.amax_lr_multiplier,
             "targets": TARGETS,
         }

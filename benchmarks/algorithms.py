@@ -1,6 +1,8 @@
 """PTQ calibration algorithms vs max calibration on a tiny byte-level Llama trained on real text.
 
     OMP_NUM_THREADS=2 python benchmarks/algorithms.py [--threads 2] [--train-steps 300] [--quick] [--json F]
+        [--configs INT4_AWQ_CFG,NVFP4_AWQ_LITE_CFG] [--no-memory]
+        [--reference-python PY | --make-reference-venv DIR]
 
 Data: CPython's own English documentation, available offline (docstrings of a fixed list of stdlib modules,
 then ``pydoc_data.topics``), as UTF-8 bytes (vocab 256); the last 10% is held out. Model: ``LlamaForCausalLM``
@@ -14,6 +16,17 @@ layer but ``lm_head``, each quantized layer called on the inputs it saw in the u
 windows), averaged over layers. "better than max?" means both are lower than the same preset's max row.
 Each side runs in its own subprocess; the reference (nvidia-modelopt under ``--reference-python``, borrowing
 this interpreter's transformers like ``benchmarks/calibrate.py``) gets the same weights and data tensors.
+"reduction" is ``1 - mse / mse(max)`` of the same preset and side: the share of max calibration's layer
+output error that the algorithm removes.
+
+Reference interpreter: without ``--reference-python`` the reference columns are skipped.
+``--make-reference-venv DIR`` creates (or reuses) a virtual environment there, installs
+``torch==<this interpreter's torch version>`` first, then ``nvidia-modelopt==0.47.0`` with
+``transformers==<this interpreter's version>`` and ``requests`` (modelopt imports both without declaring
+them), and runs the reference with ``DIR/bin/python``; pip's output goes to ``DIR/install.log``. Torch comes
+first so that pip keeps that build rather than picking another for modelopt's loose torch pin; where PyPI
+serves CUDA builds of torch, a CPU build needs ``PIP_INDEX_URL`` / ``PIP_EXTRA_INDEX_URL`` set to a CPU
+wheel index before the command.
 
 GPTQ memory: in fresh processes, the peak-RSS increase (VmHWM, reset through ``/proc/self/clear_refs``)
 during ``mtq.quantize`` with INT4_AWQ_CFG and algorithm gptq vs max on random-init Llamas of 2 and 8 layers.
@@ -38,6 +51,7 @@ ROWS = [
     ("INT8_SMOOTHQUANT_CFG", ["max", "smoothquant"]),
     ("INT4_AWQ_CFG", ["max", "awq_lite", "awq_clip", "awq_full", "gptq", "mse"]),
     ("NVFP4_DEFAULT_CFG", ["max", "awq_lite", "gptq", "mse"]),
+    ("NVFP4_AWQ_LITE_CFG", ["max", "awq_lite", "awq_clip", "awq_full"]),
     ("W4A8_AWQ_BETA_CFG", ["max", "awq_lite"]),
 ]
 QUICK_ROWS = [("INT8_SMOOTHQUANT_CFG", ["max", "smoothquant"]), ("INT4_AWQ_CFG", ["max", "awq_lite", "gptq"])]
@@ -52,7 +66,7 @@ MODULES = (
     "warnings weakref abc numbers io codecs difflib doctest timeit"
 ).split()
 SEQ, CALIB_BATCHES, CALIB_BS, EVAL_WINDOWS, LAYER_WINDOWS = 128, 16, 4, 32, 4
-DEFAULT_REFERENCE_PYTHON = "/work/mo_venv/bin/python"
+REFERENCE_MODELOPT = "nvidia-modelopt==0.47.0"
 CACHE = os.path.expanduser("~/.cache/modelopt_lite/bench")
 
 
@@ -270,6 +284,28 @@ def _run_child(python: str, argv: list[str], threads: int, extra_path: str | Non
 # ------------------------------------------------------------------------------------------------ parent
 
 
+def make_reference_venv(path: str) -> str:
+    """Create (or reuse) a venv at ``path`` with this interpreter's torch version, then the reference;
+    return its interpreter. pip's output goes to ``path/install.log``."""
+    import torch
+    import transformers
+
+    python = os.path.join(os.path.abspath(path), "bin", "python")
+    log = os.path.join(os.path.abspath(path), "install.log")
+    pip = [python, "-m", "pip", "install"]
+    steps = [[*pip, f"torch=={torch.__version__.split('+')[0]}"],
+             [*pip, REFERENCE_MODELOPT, f"transformers=={transformers.__version__}", "requests"]]  # fmt: skip
+    if not os.path.exists(python):
+        steps.insert(0, [sys.executable, "-m", "venv", path])
+    for cmd in steps:
+        print(f"reference venv: {' '.join(cmd[3:])} (log: {log})", file=sys.stderr, flush=True)
+        with open(log, "a") if os.path.isdir(path) else open(os.devnull, "w") as out:
+            proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT)
+        if proc.returncode:
+            sys.exit(f"--make-reference-venv: `{' '.join(cmd)}` failed (exit {proc.returncode}); see {log}")
+    return python
+
+
 def _secs(r: dict) -> str:
     if "error" in r or "seconds" not in r:
         return "n/a"
@@ -285,6 +321,13 @@ def _better(res: dict | None, base: dict | None) -> str:
     return "yes" if not worse else "no (" + ", ".join(f"{k} higher" for k in worse) + ")"
 
 
+def _reduction(res: dict, base: dict | None) -> str:
+    """``1 - mse / mse(max)`` as a percentage: the share of max calibration's layer error removed."""
+    if base is None or "error" in base or "error" in res or "mse" not in res or res is base:
+        return "-" if res is base else "n/a"
+    return f"{100 * (1 - res['mse'] / base['mse']):+.1f}%"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="PTQ algorithms vs max calibration on a trained tiny Llama")
     parser.add_argument("--threads", type=int, default=2)
@@ -293,10 +336,14 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="100 training steps, fewer rows (smoke test)")
     parser.add_argument("--no-memory", action="store_true", help="skip the GPTQ memory table")
     parser.add_argument("--json", help="write the raw numbers here")
-    parser.add_argument(
+    parser.add_argument("--configs", help="comma-separated presets: only their rows (default: all)")
+    ref_arg = parser.add_mutually_exclusive_group()
+    ref_arg.add_argument(
         "--reference-python",
-        default=DEFAULT_REFERENCE_PYTHON if os.path.exists(DEFAULT_REFERENCE_PYTHON) else None,
-        help="interpreter with nvidia-modelopt installed (reference columns skipped when missing)",
+        help="interpreter with nvidia-modelopt installed (reference columns skipped without)",
+    )
+    ref_arg.add_argument(
+        "--make-reference-venv", metavar="DIR", help=f"create / reuse a venv in DIR with {REFERENCE_MODELOPT}"
     )
     parser.add_argument("--child", choices=["ours", "ref", "mem"], help=argparse.SUPPRESS)
     parser.add_argument("--data", help=argparse.SUPPRESS)
@@ -314,6 +361,14 @@ def main() -> None:
     if args.quick:
         args.train_steps = min(args.train_steps, 100)
     table = QUICK_ROWS if args.quick else ROWS
+    if args.configs:
+        wanted = args.configs.split(",")
+        unknown = sorted(set(wanted) - {c for c, _ in table})
+        if unknown:
+            parser.error(f"--configs: {unknown} not among {[c for c, _ in table]}")
+        table = [row for row in table if row[0] in wanted]
+    if args.make_reference_venv:
+        args.reference_python = make_reference_venv(args.make_reference_venv)
     rows = [[c, a] for c, algs in table for a in algs]
     path, info = train_or_load(args)
     how = "loaded from cache" if info["cached"] else f"trained in {info['train_s']:.0f} s"
@@ -355,14 +410,15 @@ def main() -> None:
     base = ours.get("base", {}).get("loss")
     print("\n## ours (modelopt_lite)\n")
     print(f"unquantized held-out loss: {h.fmt_or_na(base, '.4f')}\n")
-    print("| config | algorithm | rel. layer MSE (mean) | held-out loss | Δ loss vs unquantized | calib s "
-          "| better than max? |\n|" + "---|" * 7)  # fmt: skip
+    print("| config | algorithm | rel. layer MSE (mean) | reduction | held-out loss | Δ loss vs unquantized "
+          "| calib s | better than max? |\n|" + "---|" * 8)  # fmt: skip
     for c, a in rows:
         r = ours.get((c, a), {"error": "missing (child crashed)"})
         ok = "error" not in r
         delta = r["loss"] - base if ok and base is not None else None
-        cells = (f"{r['mse']:.3e} | {r['loss']:.4f} | {h.fmt_or_na(delta, '+.4f')} | {_secs(r)}" if ok
-                 else f"n/a ({r['error']}) | n/a | n/a | n/a")  # fmt: skip
+        cells = (f"{r['mse']:.3e} | {_reduction(r, ours.get((c, 'max')))} | {r['loss']:.4f} "
+                 f"| {h.fmt_or_na(delta, '+.4f')} | {_secs(r)}" if ok
+                 else f"n/a ({r['error']}) | n/a | n/a | n/a | n/a")  # fmt: skip
         print(f"| {c} | {a} | {cells} | {_better(r, ours.get((c, 'max')))} |")
     print("\ncalib s: wall time of mtq.quantize (insertion + calibration) after an untimed warm-up; * = other"
           " processes kept > 0.25 cores busy meanwhile (time inflated)")  # fmt: skip
@@ -372,8 +428,8 @@ def main() -> None:
         print("\n## side by side with nvidia-modelopt (same weights, data and configs)\n")
         rb = ref.get("base", {}).get("loss")
         print(f"unquantized held-out loss: ours {h.fmt_or_na(base, '.4f')}, ref {h.fmt_or_na(rb, '.4f')}\n")
-        print("| config | algorithm | ours loss | ref loss | ours layer MSE | ref layer MSE | ours s | ref s "
-              "| ref better than max? |\n|" + "---|" * 9)  # fmt: skip
+        print("| config | algorithm | ours loss | ref loss | ours layer MSE | ref layer MSE | ours reduction "
+              "| ref reduction | ours s | ref s | ref better than max? |\n|" + "---|" * 11)  # fmt: skip
         for c, a in rows:
             o, r = ours.get((c, a), {}), ref.get((c, a), {"error": "missing (child crashed)"})
 
@@ -382,7 +438,8 @@ def main() -> None:
 
             rl = cell(r, "loss", ".4f") if "error" not in r else f"n/a ({r['error']})"
             print(f"| {c} | {a} | {cell(o, 'loss', '.4f')} | {rl} | {cell(o, 'mse', '.3e')} "
-                  f"| {cell(r, 'mse', '.3e')} | {_secs(o)} | {_secs(r)} "
+                  f"| {cell(r, 'mse', '.3e')} | {_reduction(o, ours.get((c, 'max')))} "
+                  f"| {_reduction(r, ref.get((c, 'max')))} | {_secs(o)} | {_secs(r)} "
                   f"| {_better(r, ref.get((c, 'max')))} |")  # fmt: skip
 
     mem = {}

@@ -1,9 +1,14 @@
 """Activation-aware weight quantization.
 
-* ``awq_lite``: per group of layers reading the same input, search ``alpha`` on a grid of step
-  ``alpha_step`` for the input-channel scale ``s = mean|X|**alpha / w_mag**(1 - alpha)`` (normalised) that
-  minimises ``|| X W^T - (X / s) Q(W s)^T ||^2`` on sample inputs, with no scaling as a candidate too; apply
-  it like SmoothQuant (``pre_quant_scale = 1 / s``, weight columns times ``s``).
+* ``awq_lite``: per group of layers reading the same input (one shared scale, which export folds into the
+  preceding norm), search ``alpha`` on a grid of step ``alpha_step`` for the input-channel scale
+  ``s = mean|X|**alpha / w_mag**(1 - alpha)`` (normalised so that ``max(s) * min(s) = 1``) minimising the
+  sum over the group's layers of each layer's *relative* output error
+  ``|| X W^T - (X / s) Q(W s)^T ||^2 / || X W^T ||^2`` on sample inputs, with no scaling as a candidate
+  too; apply it like SmoothQuant (``pre_quant_scale = 1 / s``, weight columns times ``s``). The relative
+  error keeps the layer with the largest outputs (often ``v_proj``) from deciding the scale of the whole
+  group alone. (The reference library searches each layer's own scale; a shared one is what export can
+  fold into the norm.)
 * ``awq_clip``: per weight block (per channel for per-channel formats), search the amax ratio on
   ``clip_ratios`` minimising the block's contribution to the output error ``d^T (X_b^T X_b) d``; formats
   with one global amax (NVFP4, FP8 per tensor) search one ratio per weight.
@@ -62,6 +67,7 @@ def _weight_magnitude(group: list[Target], block: int) -> torch.Tensor:
 
 @torch.no_grad()
 def _group_loss(group: list[Target], samples: dict[str, torch.Tensor], s: torch.Tensor) -> float:
+    """Sum over the group's layers of ``||X W^T - (X / s) Q(W s)^T||^2 / ||X W^T||^2``."""
     loss = 0.0
     for t in group:
         x = samples.get(t.name)
@@ -71,9 +77,17 @@ def _group_loss(group: list[Target], samples: dict[str, torch.Tensor], s: torch.
         xs = x / s
         if t.input_quantizer.is_enabled:
             xs = quantize_like(t.input_quantizer, xs)
+        y = x @ w.t()
         out = xs @ quantize_like(t.weight_quantizer, w * s).t()
-        loss += float((x @ w.t() - out).pow(2).sum())
+        loss += float((y - out).pow(2).sum() / y.pow(2).sum().clamp_min(1e-30))
     return loss
+
+
+def _exponents(alpha_step: float) -> list[tuple[float, float]]:
+    """``(a, b)`` candidates of ``s = act**a / w_mag**b``: AWQ's line ``b = 1 - a`` on the ``alpha_step``
+    grid."""
+    steps = max(1, round(1.0 / alpha_step))
+    return [(i / steps, 1.0 - i / steps) for i in range(steps + 1)]
 
 
 def _lite_group(group: list[Target], stats: dict, alpha_step: float) -> float | None:
@@ -86,14 +100,12 @@ def _lite_group(group: list[Target], stats: dict, alpha_step: float) -> float | 
     samples = {t.name: stats[t.name].sample() for t in group if stats[t.name].count}
     # no smoothing (s = 1) is a candidate too, so the search never ends worse than plain max calibration
     best, best_alpha, best_s = _group_loss(group, samples, torch.ones_like(act)), None, None
-    steps = max(1, round(1.0 / alpha_step))
-    for i in range(steps + 1):
-        alpha = i / steps
-        s = act.clamp_min(1e-8).pow(alpha) / wmag.clamp_min(1e-8).pow(1.0 - alpha)
+    for a, b in _exponents(alpha_step):
+        s = act.clamp_min(1e-8).pow(a) / wmag.clamp_min(1e-8).pow(b)
         s = (s / (s.max() * s.min()).sqrt()).clamp(1e-4, 1e4)
         loss = _group_loss(group, samples, s)
         if loss < best:
-            best, best_alpha, best_s = loss, alpha, s
+            best, best_alpha, best_s = loss, a, s
     if best_s is not None:
         apply_input_scale(group, best_s)
     return best_alpha

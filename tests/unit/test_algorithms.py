@@ -236,3 +236,30 @@ def test_awq_full_clips_on_the_smoothed_inputs(monkeypatch):
     scale = target.input_quantizer.pre_quant_scale
     assert scale is not None
     assert torch.allclose(sample, x[: sample.shape[0]] * scale)
+
+
+def test_awq_lite_group_loss_sums_each_layers_relative_error():
+    """A shared scale is judged by each layer's relative output error, so that a layer with large outputs
+    (e.g. v_proj) does not decide the scale of its whole group alone."""
+    from modelopt_lite.quantization import awq
+
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"a": nn.Linear(64, 32, bias=False), "b": nn.Linear(64, 32, bias=False)})
+    with torch.no_grad():
+        model["b"].weight.mul_(100.0)  # outputs 100x larger than a's
+    rules = [
+        {"quantizer_name": "*", "enable": False},
+        {"quantizer_name": "*weight_quantizer", "cfg": INT4_BLOCK},
+    ]
+    mtq.quantize(model, {"quant_cfg": rules, "algorithm": "max"})
+    group = linear_targets(model)
+    x = _inputs(n=256, outliers=(3,))
+    s = torch.rand(64, generator=torch.Generator().manual_seed(1)) + 0.5
+    expected = 0.0
+    for t in group:
+        w = t.weight().detach()
+        wq = mtq.TensorQuantizer(**INT4_BLOCK).calibrate(w * s)(w * s)
+        y = x @ w.t()
+        expected += float(((x / s) @ wq.t() - y).pow(2).sum() / y.pow(2).sum())
+    got = awq._group_loss(group, {t.name: x for t in group}, s)
+    assert got == pytest.approx(expected, rel=1e-4)

@@ -485,10 +485,10 @@ def plot(results: list[dict[str, Any]], path: str, steps: int) -> None:
             f"{res['kind']}: recovery after {steps} steps (bars: mean, lines: min-max over seeds)", fontsize=9
         )
         for name, color in (("qat nvfp4", "#f0a94a"), ("qad nvfp4", "#5aa469")):
+            first = min((r["seed"] for r in res["rows"] if r["name"] == name), default=None)
+            mine = [r for r in res["rows"] if r["name"] == name and r["seed"] == first]
             pts = sorted(
-                (s["steps"], 100 * s["test_recovery"])
-                for s in res["summary"]
-                if s["name"] == name and s.get("test_recovery") is not None
+                (r["steps"], 100 * r["test_recovery"]) for r in mine if r["test_recovery"] is not None
             )
             if pts:
                 curve.plot(*zip(*pts, strict=True), marker="o", color=color, label=name)
@@ -556,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{res['kind']} {s['name']}"
         for res in results
         for s in res["summary"]
-        if s.get("target_met") is False
+        if s.get("target_met") is False and s["steps"] == args.steps
     ]
     if missed:
         print(f"targets missed: {', '.join(missed)}")

@@ -35,6 +35,16 @@ RESULT_PREFIX = "@@RESULT "
 # ------------------------------------------------------------------------------------- load from others
 
 
+#: The reference interpreter (a virtualenv with nvidia-modelopt) of the side-by-side benchmarks, when
+#: ``--reference-python`` is not given; without either, the reference side is skipped.
+REFERENCE_PYTHON_ENV = "MODELOPT_REFERENCE_PYTHON"
+
+
+def default_reference_python() -> str | None:
+    """``$MODELOPT_REFERENCE_PYTHON`` (``None`` when unset or empty)."""
+    return os.environ.get(REFERENCE_PYTHON_ENV) or None
+
+
 def busy_cpu_seconds() -> float | None:
     """Busy CPU seconds of the whole machine so far (Linux /proc/stat), or None."""
     try:

@@ -8,12 +8,12 @@ vocab 2048), fp32, eval mode, weights from ``torch.manual_seed(0)``. Calibration
 ``mtq.quantize(model, cfg, forward_loop)`` call (quantizer insertion + max calibration) and the peak RSS
 (``ru_maxrss``) of the process, plus its increase over the RSS right before ``quantize``.
 
-Every measurement runs in a fresh subprocess (this file re-invoked with ``--child ours|ref --config NAME``)
-so that peak RSS is not polluted by earlier runs; the child prints one JSON line. Ours runs under this
-interpreter; the reference under ``--reference-python`` (default ``/work/mo_venv/bin/python`` when it
-exists), which needs only torch, transformers and ``modelopt`` -- this file imports neither library at
-module level; when that interpreter has no transformers, this interpreter's copy (and whichever of its
-dependencies the reference lacks) is lent to it through a folder of symlinks on PYTHONPATH. A reference
+Every measurement runs in a fresh subprocess (this file re-invoked with ``--child ours|ref --config NAME``) so
+that peak RSS is not polluted by earlier runs; the child prints one JSON line. Ours runs under this
+interpreter; the reference under ``--reference-python`` (default ``$MODELOPT_REFERENCE_PYTHON``; neither: the
+reference side is skipped), which needs only torch, transformers and ``modelopt`` -- this file imports neither
+library at module level; when that interpreter has no transformers, this interpreter's copy (and whichever of
+its dependencies the reference lacks) is lent to it through a folder of symlinks on PYTHONPATH. A reference
 failure for a config (e.g. a CUDA-only fake-quant path) shows as ``n/a (reason: ...)``.
 
 Both sides run the same forward loop (under ``torch.no_grad``), interleaved run by run. On a shared machine
@@ -36,7 +36,6 @@ import _harness as h
 
 CONFIGS = ["FP8_DEFAULT_CFG", "INT8_DEFAULT_CFG", "NVFP4_DEFAULT_CFG", "INT4_BLOCKWISE_WEIGHT_ONLY_CFG"]
 QUICK_CONFIGS = ["FP8_DEFAULT_CFG", "NVFP4_DEFAULT_CFG"]
-DEFAULT_REFERENCE_PYTHON = "/work/mo_venv/bin/python"
 NUM_BATCHES, BATCH, SEQ, VOCAB = 8, 2, 128, 2048
 
 
@@ -269,7 +268,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--reference-python",
-        default=DEFAULT_REFERENCE_PYTHON if os.path.exists(DEFAULT_REFERENCE_PYTHON) else None,
+        default=h.default_reference_python(),
         help="interpreter with nvidia-modelopt installed (reference column skipped when missing)",
     )
     parser.add_argument("--child", choices=["ours", "ref"], help=argparse.SUPPRESS)

@@ -6,11 +6,11 @@ Each side runs in its own subprocess (this file re-invoked with ``--child ours|r
 from a config (hidden 128, intermediate 256, 2 layers, 4 heads / 2 KV heads, vocab 256, bf16, weights from
 ``torch.manual_seed(0)``), max calibration on 4 fixed batches of 2x32 tokens, then ``export_hf_checkpoint``
 into a temporary directory. The reference runs under ``--reference-python`` (default
-``/work/mo_venv/bin/python``), borrowing this interpreter's transformers through the symlink folder of
-``benchmarks/calibrate.py`` when it has none. The parent compares the two checkpoints: tensor names, dtypes,
-shapes and values (bytes), the calibrated amax each side used (as the scales they wrote), and the keys of
-``hf_quant_config.json`` and ``config.json["quantization_config"]``. A side that fails is reported with its
-error instead of a comparison.
+``$MODELOPT_REFERENCE_PYTHON``; neither: reported as unusable), borrowing this interpreter's transformers
+through the symlink folder of ``benchmarks/calibrate.py`` when it has none. The parent compares the two
+checkpoints: tensor names, dtypes, shapes and values (bytes), the calibrated amax each side used (as the
+scales they wrote), and the keys of ``hf_quant_config.json`` and ``config.json["quantization_config"]``. A
+side that fails is reported with its error instead of a comparison.
 
 Differences this run found with nvidia-modelopt 0.47 (and why): FP8 weights differ in about 3-6 % of the
 elements by one FP8 step because the reference divides the bf16 weight by a 0-dim float32 scale, which PyTorch
@@ -28,10 +28,10 @@ import subprocess
 import sys
 import tempfile
 
+import _harness as h
 from calibrate import _borrow_transformers, _reference_usable  # sibling benchmark (stdlib only)
 
 CONFIGS = ["FP8_DEFAULT_CFG", "NVFP4_DEFAULT_CFG"]
-DEFAULT_REFERENCE_PYTHON = "/work/mo_venv/bin/python"
 
 
 def _child(side: str, config: str, out: str) -> None:
@@ -187,7 +187,7 @@ def _borrow_extra(python: str, shim: str | None, names: tuple[str, ...] = ("toke
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--configs", default=",".join(CONFIGS))
-    p.add_argument("--reference-python", default=DEFAULT_REFERENCE_PYTHON)
+    p.add_argument("--reference-python", default=h.default_reference_python())
     p.add_argument("--json", default=None)
     p.add_argument("--keep", default=None, help="write the checkpoints under this directory and keep them")
     p.add_argument("--child", choices=["ours", "ref"], help=argparse.SUPPRESS)

@@ -16,7 +16,7 @@ Trainers, each ``train()`` in a fresh process:
   before the loop; its ``training_step`` collects garbage first, and the collector is frozen after the first
   optimizer step (the default ``manual_gc=True``);
 * ``ref``: nvidia-modelopt's ``modelopt.torch.quantization.plugins.transformers_trainer.QATTrainer`` under
-  ``--reference-python`` (default ``/work/mo_venv/bin/python``) with its
+  ``--reference-python`` (default ``$MODELOPT_REFERENCE_PYTHON``) with its
   ``QuantizationArguments(calib_size=8)``. Its ``recipe`` argument takes only recipe YAML files
   (``general/ptq/...``, all with KV-cache quantizers that its Hugging Face plugin cannot add with
   transformers 5.24), so the same preset dict is
@@ -61,7 +61,6 @@ import _harness as h
 
 CONFIGS = ["FP8_DEFAULT_CFG", "NVFP4_DEFAULT_CFG", "INT4_BLOCKWISE_WEIGHT_ONLY_CFG"]
 QUICK_CONFIGS = ["FP8_DEFAULT_CFG", "NVFP4_DEFAULT_CFG"]
-DEFAULT_REFERENCE_PYTHON = "/work/mo_venv/bin/python"
 REF_TRAINER = "modelopt.torch.quantization.plugins.transformers_trainer"
 BATCH, SEQ, VOCAB, CALIB_SAMPLES, LR = 4, 128, 4096, 8, 1e-4
 MODEL = dict(
@@ -296,7 +295,7 @@ def main() -> None:
     parser.add_argument("--max-wait", type=float, default=120, help="s to wait for a quiet machine per run")
     parser.add_argument(
         "--reference-python",
-        default=DEFAULT_REFERENCE_PYTHON if os.path.exists(DEFAULT_REFERENCE_PYTHON) else None,
+        default=h.default_reference_python(),
         help="interpreter with nvidia-modelopt installed (reference column skipped when missing)",
     )
     parser.add_argument("--no-reference", action="store_true", help="skip nvidia-modelopt")

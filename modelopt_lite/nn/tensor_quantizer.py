@@ -330,9 +330,8 @@ class TensorQuantizer(nn.Module):
                 if buf == "_amax" and ref is not None and self.amax.dim() == 0 and value.numel() == 1:
                     value = value.reshape(())  # a learnable scalar saved in its (1,) storage layout
                 self._store_amax(value) if buf == "_amax" else setattr(self, buf, value)
-                state_dict[key] = getattr(
-                    self, buf
-                ).detach()  # the stored layout ((1,) for a learnable scalar)
+                # what the parent loads: the stored layout ((1,) for a learnable scalar)
+                state_dict[key] = getattr(self, buf).detach()
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     # ----------------------------------------------------------------------- repr

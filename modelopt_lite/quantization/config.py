@@ -23,29 +23,41 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from ..nn import QuantizerAttributes
+from ..nn.attribute_dict import UnsupportedFeatureError, quantizer_attributes
 
-__all__ = ["ALGORITHMS", "QuantRule", "QuantizeConfig", "plain", "quantizer_attributes"]
+__all__ = [
+    "ALGORITHMS",
+    "UNSUPPORTED_ALGORITHMS",
+    "QuantRule",
+    "QuantizeConfig",
+    "UnsupportedFeatureError",
+    "plain",
+    "quantizer_attributes",
+]
 
-#: Calibration algorithms a config may name (``None`` means: no calibration).
-ALGORITHMS = ("max", "smoothquant", "awq_lite", "awq_clip", "awq_full", "gptq", "mse")
-
-_OURS = {f.name for f in fields(QuantizerAttributes)} - {"enable"}
-# Reference attributes we accept but that change nothing in fake quant (kept for round trips).
-_INERT = {"effective_bits": (int, float, type(None)), "trt_high_precision_dtype": (str,)}
-# Reference attributes whose non-default values we do not implement.
-_DEFAULT_ONLY = {
-    "bias": None,
-    "rotate": False,
-    "backend": None,
-    "backend_extra_args": None,
-    "use_constant_amax": False,
-    "constant_amax": None,
+#: The reference's calibration algorithms that this library does not implement, with what to use instead.
+UNSUPPORTED_ALGORITHMS = {
+    "svdquant": "SVDQuant's low-rank branch is not implemented; use 'awq_lite' (NVFP4_AWQ_LITE_CFG)",
+    "local_hessian": "local-Hessian weighted scale search is not implemented; use 'mse' or 'gptq'",
+    "nvfp4_act_headroom": "NVFP4 activation headroom calibration is not implemented; use 'max'",
+    "lsq": "use learn_amax=True in the quantizer attributes (LSQ gradients) with the QAT trainer",
 }
-_ALLOWED_KEYS = sorted(_OURS | set(_INERT) | set(_DEFAULT_ONLY) | {"type", "pass_through_bwd", "enable"})
+#: Calibration algorithms a config may name (``None`` means: no calibration); the last ones are names of the
+#: reference that raise :class:`UnsupportedFeatureError` naming the alternative.
+ALGORITHMS = (
+    "max",
+    "smoothquant",
+    "awq_lite",
+    "awq_clip",
+    "awq_full",
+    "gptq",
+    "mse",
+    *UNSUPPORTED_ALGORITHMS,
+)
 
 
 def plain(value: Any, str_keys: bool = False) -> Any:
@@ -55,66 +67,6 @@ def plain(value: Any, str_keys: bool = False) -> Any:
     if isinstance(value, (list, tuple)):
         return [plain(v, str_keys) for v in value]
     return value
-
-
-def quantizer_attributes(
-    cfg: Mapping[str, Any], enable: bool = True, where: str = "cfg", explicit_enable: bool = False
-) -> QuantizerAttributes:
-    """Translate one attribute dict (reference or our names) into validated :class:`QuantizerAttributes`.
-    ``explicit_enable``: the rule itself sets ``enable``, so a different ``cfg["enable"]`` is a conflict."""
-    if not isinstance(cfg, Mapping):
-        raise TypeError(f"{where}: expected a mapping of quantizer attributes, got {type(cfg).__name__}")
-    unknown = sorted(set(cfg) - set(_ALLOWED_KEYS))
-    if unknown:
-        raise ValueError(f"{where}: unknown quantizer attribute(s) {unknown} (allowed: {_ALLOWED_KEYS})")
-    out: dict[str, Any] = {k: copy.deepcopy(v) for k, v in cfg.items() if k in _OURS}
-    for key, types in _INERT.items():
-        if key in cfg and not isinstance(cfg[key], types):
-            raise TypeError(f"{where}: {key}={cfg[key]!r} has the wrong type")
-    for key, default in _DEFAULT_ONLY.items():
-        if key in cfg and cfg[key] != default:
-            raise ValueError(f"{where}: {key}={cfg[key]!r} is not supported (only {default!r})")
-    if isinstance(out.get("num_bits"), list):
-        out["num_bits"] = tuple(out["num_bits"])
-    kind = cfg.get("type", "static")
-    if kind not in ("static", "dynamic"):
-        raise ValueError(f"{where}: type={kind!r} (allowed: 'static', 'dynamic')")
-    if out.get("block_sizes") is not None:
-        if not isinstance(out["block_sizes"], Mapping):
-            raise TypeError(
-                f"{where}: block_sizes={out['block_sizes']!r} must be a mapping such as {{-1: 128}}"
-            )
-        blocks = {
-            (int(k) if isinstance(k, str) and k.lstrip("-").isdigit() else k): v
-            for k, v in out["block_sizes"].items()
-        }
-        if isinstance(blocks.get("scale_bits"), list):
-            blocks["scale_bits"] = tuple(blocks["scale_bits"])
-        if kind == "dynamic":
-            blocks.setdefault("type", "dynamic")
-        out["block_sizes"] = blocks
-    elif kind == "dynamic":
-        raise ValueError(f"{where}: type='dynamic' needs block_sizes (e.g. {{-1: None}} for per token)")
-    if "pass_through_bwd" in cfg:
-        if not isinstance(cfg["pass_through_bwd"], bool):
-            raise TypeError(f"{where}: pass_through_bwd must be True or False")
-        if "backward" in cfg:
-            raise ValueError(f"{where}: give either pass_through_bwd or backward, not both")
-        out["backward"] = "pass_through" if cfg["pass_through_bwd"] else "clipped"
-    if "enable" in cfg:
-        if cfg["enable"] != enable and explicit_enable:
-            raise ValueError(
-                f"{where}: the rule says enable={enable} but its cfg says enable={cfg['enable']}"
-            )
-        enable = cfg["enable"]
-    if not isinstance(enable, bool):
-        raise TypeError(f"{where}: enable={enable!r} must be True or False")
-    try:
-        attrs = QuantizerAttributes(**out, enable=enable)
-        attrs.spec()
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"{where}: {err}") from None
-    return attrs
 
 
 @dataclass(frozen=True)
@@ -241,6 +193,10 @@ class QuantizeConfig:
         name = self.algorithm_name
         if name is not None and name not in ALGORITHMS:
             raise ValueError(f"algorithm={name!r} is unknown (allowed: {list(ALGORITHMS)} or None)")
+        if name in UNSUPPORTED_ALGORITHMS:
+            raise UnsupportedFeatureError(
+                f"algorithm={name!r} is not supported: {UNSUPPORTED_ALGORITHMS[name]}"
+            )
 
     @property
     def algorithm_name(self) -> str | None:

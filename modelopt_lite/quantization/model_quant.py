@@ -26,7 +26,7 @@ from .insertion import (
     snapshot_implementations,
     use_experts_implementation,
 )
-from .presets import KV_PRESETS, PRESETS, get_preset
+from .presets import get_preset, preset_names
 from .recipes import list_recipes, load_recipe
 
 __all__ = [
@@ -90,12 +90,12 @@ def resolve_config(config: QuantizeConfig | Mapping[str, Any] | str | Path) -> Q
         return QuantizeConfig.from_dict(config)
     if isinstance(config, (str, Path)):
         name = str(config)
-        if name in PRESETS or name in KV_PRESETS:
+        if name in preset_names():
             return QuantizeConfig.from_dict(get_preset(name))
         if name.endswith((".yaml", ".yml")) or name in list_recipes():
             return load_recipe(name).config
         raise ValueError(
-            f"unknown preset or recipe {name!r}; presets: {sorted(PRESETS)}; recipes: {list_recipes()}"
+            f"unknown preset or recipe {name!r}; presets: {preset_names()}; recipes: {list_recipes()}"
         )
     raise TypeError(
         f"config must be a dict, a QuantizeConfig, or a preset / recipe name; got {type(config).__name__}"

@@ -1,0 +1,122 @@
+"""Attribute dicts in the reference library's vocabulary (``pass_through_bwd``, ``type``, ``effective_bits``,
+...) translated into validated :class:`QuantizerAttributes`.
+
+This is the one place quantizer attributes are checked: config rules, the pydantic
+``QuantizerAttributeConfig`` and ``TensorQuantizer(cfg)`` all call :func:`quantizer_attributes`. A feature of
+the reference we do not implement raises :class:`UnsupportedFeatureError`, which is both a
+``NotImplementedError`` (what it is) and a ``ValueError`` (what a bad attribute value has always raised).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from dataclasses import fields
+from typing import Any
+
+from .tensor_quantizer import QuantizerAttributes
+
+__all__ = ["ALLOWED_ATTRIBUTE_KEYS", "UnsupportedFeatureError", "quantizer_attributes"]
+
+
+class UnsupportedFeatureError(NotImplementedError, ValueError):
+    """A reference feature this library deliberately does not implement; the message names what to use."""
+
+
+_OURS = {f.name for f in fields(QuantizerAttributes)} - {"enable"}
+# Reference attributes we accept but that change nothing in fake quant (kept for round trips).
+_INERT = {"effective_bits": (int, float, type(None)), "trt_high_precision_dtype": (str,)}
+# Reference attributes whose non-default values we do not implement, with what to use instead.
+_DEFAULT_ONLY: dict[str, tuple[Any, str]] = {
+    "bias": (None, "affine (biased) KV-cache quantization is not implemented; use FP8_KV_CFG / NVFP4_KV_CFG"),
+    "rotate": (False, "Hadamard rotation of a quantizer's input is not implemented; use mtq.rotate_residual"),
+    "backend": (None, "custom quantization backends are not implemented; the fake quant is built in"),
+    "backend_extra_args": (None, "custom quantization backends are not implemented"),
+    "use_constant_amax": (False, "a constant amax is not implemented; set quantizer.amax after quantize"),
+    "constant_amax": (None, "a constant amax is not implemented; set quantizer.amax after quantize"),
+}
+ALLOWED_ATTRIBUTE_KEYS = sorted(
+    _OURS | set(_INERT) | set(_DEFAULT_ONLY) | {"type", "pass_through_bwd", "enable"}
+)
+
+
+def _check_reference_only(where: str, cfg: Mapping[str, Any], blocks: Mapping[Any, Any] | None) -> None:
+    for key, (default, instead) in _DEFAULT_ONLY.items():
+        if key in cfg and cfg[key] != default:
+            raise UnsupportedFeatureError(
+                f"{where}: {key}={cfg[key]!r} is not supported (only {default!r}): {instead}"
+            )
+    if blocks is None:
+        return
+    if "four_over_six" in blocks:
+        raise UnsupportedFeatureError(
+            f"{where}: block_sizes four_over_six (adaptive 4-or-6 NVFP4 block scales, "
+            "NVFP4_FOUR_OVER_SIX_CFG) is not supported; use NVFP4_DEFAULT_CFG"
+        )
+    if blocks.get("type", "static") == "static" and tuple(blocks.get("scale_bits") or ()) == (4, 3):
+        raise UnsupportedFeatureError(
+            f"{where}: static NVFP4 block scales (block_sizes type 'static' with scale_bits (4, 3), used by "
+            "the reference's MSE / local-Hessian NVFP4 weight presets) are not supported; use "
+            "'type': 'dynamic' (NVFP4_DEFAULT_CFG), optionally with algorithm 'mse'"
+        )
+
+
+def quantizer_attributes(
+    cfg: Mapping[str, Any], enable: bool = True, where: str = "cfg", explicit_enable: bool = False
+) -> QuantizerAttributes:
+    """Translate one attribute dict (reference or our names) into validated :class:`QuantizerAttributes`.
+    ``explicit_enable``: the rule itself sets ``enable``, so a different ``cfg["enable"]`` is a conflict."""
+    if not isinstance(cfg, Mapping):
+        raise TypeError(f"{where}: expected a mapping of quantizer attributes, got {type(cfg).__name__}")
+    unknown = sorted(set(cfg) - set(ALLOWED_ATTRIBUTE_KEYS))
+    if unknown:
+        raise ValueError(
+            f"{where}: unknown quantizer attribute(s) {unknown} (allowed: {ALLOWED_ATTRIBUTE_KEYS})"
+        )
+    out: dict[str, Any] = {k: copy.deepcopy(v) for k, v in cfg.items() if k in _OURS}
+    for key, types in _INERT.items():
+        if key in cfg and not isinstance(cfg[key], types):
+            raise TypeError(f"{where}: {key}={cfg[key]!r} has the wrong type")
+    blocks = out.get("block_sizes")
+    _check_reference_only(where, cfg, blocks if isinstance(blocks, Mapping) else None)
+    if isinstance(out.get("num_bits"), list):
+        out["num_bits"] = tuple(out["num_bits"])
+    kind = cfg.get("type", "static")
+    if kind not in ("static", "dynamic"):
+        raise ValueError(f"{where}: type={kind!r} (allowed: 'static', 'dynamic')")
+    if out.get("block_sizes") is not None:
+        if not isinstance(out["block_sizes"], Mapping):
+            raise TypeError(
+                f"{where}: block_sizes={out['block_sizes']!r} must be a mapping such as {{-1: 128}}"
+            )
+        blocks = {
+            (int(k) if isinstance(k, str) and k.lstrip("-").isdigit() else k): v
+            for k, v in out["block_sizes"].items()
+        }
+        if isinstance(blocks.get("scale_bits"), list):
+            blocks["scale_bits"] = tuple(blocks["scale_bits"])
+        if kind == "dynamic":
+            blocks.setdefault("type", "dynamic")
+        out["block_sizes"] = blocks
+    elif kind == "dynamic":
+        raise ValueError(f"{where}: type='dynamic' needs block_sizes (e.g. {{-1: None}} for per token)")
+    if "pass_through_bwd" in cfg:
+        if not isinstance(cfg["pass_through_bwd"], bool):
+            raise TypeError(f"{where}: pass_through_bwd must be True or False")
+        if "backward" in cfg:
+            raise ValueError(f"{where}: give either pass_through_bwd or backward, not both")
+        out["backward"] = "pass_through" if cfg["pass_through_bwd"] else "clipped"
+    if "enable" in cfg:
+        if cfg["enable"] != enable and explicit_enable:
+            raise ValueError(
+                f"{where}: the rule says enable={enable} but its cfg says enable={cfg['enable']}"
+            )
+        enable = cfg["enable"]
+    if not isinstance(enable, bool):
+        raise TypeError(f"{where}: enable={enable!r} must be True or False")
+    try:
+        attrs = QuantizerAttributes(**out, enable=enable)
+        attrs.spec()
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{where}: {err}") from None
+    return attrs

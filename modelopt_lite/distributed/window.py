@@ -11,7 +11,9 @@ Inside the window each DTensor parameter of ``module`` (recursively) is replaced
 the gathered full tensor (an all-gather per parameter); on exit the original sharded parameters are put
 back, even when the body raises. With ``writeback=True`` each rank first copies its slice of the (possibly
 modified) full tensor into its shard; no communication is needed for that. All ranks must open the same
-windows in the same order. Outside FSDP2 (no DTensor parameters) the window changes nothing.
+windows in the same order. Outside FSDP2 (no DTensor parameters) the window only loads parameters that
+accelerate offloads to CPU / disk (on the meta device outside forward; see :mod:`.offload`), and otherwise
+changes nothing.
 
 A rank that raises inside the window makes every rank raise on exit (:class:`~.comm.RankFailedError`)
 instead of leaving the others waiting in their next collective; ``timeout`` (seconds, gloo) bounds how long
@@ -28,6 +30,7 @@ import torch
 from torch import nn
 
 from .comm import all_ranks_succeed
+from .offload import offloaded_weights
 
 __all__ = ["is_sharded", "shard_frozen", "unsharded_class", "weight_access"]
 
@@ -87,7 +90,8 @@ def weight_access(
     if not sharded:
         _STATE.module = module
         try:
-            yield module
+            with offloaded_weights(module, writeback):
+                yield module
         finally:
             _STATE.module = None
         return

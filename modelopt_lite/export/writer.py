@@ -141,8 +141,8 @@ def _plan(model: nn.Module) -> tuple[list[ExportModule], dict[str, str], dict[st
 
 def _ident(value: torch.Tensor) -> tuple:
     """What tied tensors share: the parameter itself under FSDP2 (the same on every rank), else storage."""
-    if hasattr(value, "full_tensor"):  # DTensor
-        return ("dtensor", id(value))
+    if hasattr(value, "full_tensor") or value.is_meta:  # DTensor, or offloaded by accelerate
+        return ("param", id(value))
     return (value.data_ptr(), value.shape, value.stride(), value.dtype)
 
 
@@ -189,6 +189,10 @@ def _stream_tensors(
         seen[ident] = key
         with _together(f"export: {key}", collective):
             t = value.full_tensor() if hasattr(value, "full_tensor") else value  # gathered (a collective)
+            if t.is_meta:  # offloaded to CPU / disk by accelerate: read through its hook
+                owner, _, leaf = key.rpartition(".")
+                with weight_access(model.get_submodule(owner)) as module:
+                    t = getattr(module, leaf)
             t = t.detach().to(dtype) if dtype is not None and t.is_floating_point() else t.detach()
             if key in norm_scales:
                 t = (t.float() * norm_scales[key].to(t.device)).to(t.dtype)

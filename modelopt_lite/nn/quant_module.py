@@ -5,16 +5,27 @@ subclass ``Quant<Original>(wrapper, original)`` created once per pair, then call
 quantizers. Parameters, buffers, hooks and ``state_dict`` keys of the original stay as they were, and
 ``isinstance(module, nn.Linear)`` still holds, so transformers, accelerate and PEFT keep working.
 
-Users register their own wrappers::
+Users register their own wrappers, either a :class:`QuantModule` mixin::
 
     @QUANT_MODULES.register(MyLinear)
     class QuantMyLinear(QuantModule):
         def _setup(self): ...
+
+or, as in Model-Optimizer, a subclass of the original class with a ``_setup`` and a forward that calls the
+quantizers (``mtq.register(original_cls=MyLinear, quantized_cls=QuantMyLinear)``).
+
+A forward replaced on the instance (accelerate's hooks for ``device_map`` and CPU / disk offload keep the
+class forward they wrap in ``module._old_forward``) would keep calling the original class's forward after
+the class swap and bypass the quantizers. :meth:`QuantModuleRegistry.convert` therefore re-binds such a
+bound forward (``_old_forward``, or ``forward`` itself) to the quantized class, and :meth:`revert` binds it
+back; :func:`replaced_forward` names the instance forwards it cannot re-bind. Hooks added after the
+conversion wrap the quantized forward and need nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import types
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -23,7 +34,14 @@ from ..logging import get_logger
 from .sequential_quantizer import SequentialQuantizer
 from .tensor_quantizer import TensorQuantizer
 
-__all__ = ["QUANT_MODULES", "QuantModule", "QuantModuleRegistry", "Quantizer", "iter_quantizers"]
+__all__ = [
+    "QUANT_MODULES",
+    "QuantModule",
+    "QuantModuleRegistry",
+    "Quantizer",
+    "iter_quantizers",
+    "replaced_forward",
+]
 
 logger = get_logger(__name__)
 
@@ -80,32 +98,79 @@ def _is_stage(name: str, model: nn.Module) -> bool:
     )
 
 
+def _rebind_forward(module: nn.Module, old_cls: type[nn.Module]) -> None:
+    """Point a bound forward stored on the instance (accelerate's ``_old_forward``, or ``forward``) that
+    runs ``old_cls.forward`` at the forward of the module's current class."""
+    for attr in ("_old_forward", "forward"):
+        bound = module.__dict__.get(attr)
+        if (
+            isinstance(bound, types.MethodType)
+            and bound.__self__ is module
+            and bound.__func__ is old_cls.forward
+        ):
+            setattr(module, attr, types.MethodType(type(module).forward, module))
+
+
+def replaced_forward(module: nn.Module) -> str | None:
+    """What replaced ``module.forward`` on the instance when the class forward will not run (``None`` when
+    it will: no instance forward, or accelerate's hook around the class forward)."""
+    forward = module.__dict__.get("forward")
+    if forward is None:
+        return None
+    own = type(module).forward
+    inner = module.__dict__.get("_old_forward") if "_hf_hook" in module.__dict__ else forward
+    if isinstance(inner, types.MethodType) and inner.__self__ is module and inner.__func__ is own:
+        return None
+    return getattr(forward, "__qualname__", None) or type(forward).__name__
+
+
+def _is_quantized_class(cls: type) -> bool:
+    """A wrapper: a :class:`QuantModule` mixin, or (Model-Optimizer's form) a module class with ``_setup``."""
+    return isinstance(cls, type) and (
+        issubclass(cls, QuantModule)
+        or (issubclass(cls, nn.Module) and callable(getattr(cls, "_setup", None)))
+    )
+
+
 class QuantModuleRegistry:
     """Module class -> wrapper. Exact classes first, then rules (a predicate on the class)."""
 
     def __init__(self) -> None:
-        self._by_class: dict[type[nn.Module], type[QuantModule]] = {}
+        self._by_class: dict[type[nn.Module], type[nn.Module]] = {}
         self._rules: list[tuple[str, Callable[[type[nn.Module]], bool], type[QuantModule]]] = []
         self._dynamic: dict[tuple[type, type], type[nn.Module]] = {}
 
     def register(
-        self, original_cls: type[nn.Module], wrapper: type[QuantModule] | None = None
-    ) -> Callable[[type[QuantModule]], type[QuantModule]] | type[QuantModule]:
-        """Register ``wrapper`` for ``original_cls`` (usable as a decorator). Re-registering a class
-        raises; call :meth:`unregister` first to replace a wrapper."""
+        self,
+        original_cls: type[nn.Module] | Mapping[type[nn.Module], str],
+        quantized_cls: type[nn.Module] | None = None,
+    ) -> Callable[[type[nn.Module]], type[nn.Module]] | type[nn.Module]:
+        """Register ``quantized_cls`` for ``original_cls`` (usable as a decorator; ``original_cls`` may be
+        Model-Optimizer's ``{cls: "name"}`` mapping). ``quantized_cls`` is a :class:`QuantModule` mixin or a
+        module class with a ``_setup`` that creates the quantizers and a forward that calls them (usually a
+        subclass of ``original_cls``). Re-registering a class raises; call :meth:`unregister` first."""
+        originals = list(original_cls) if isinstance(original_cls, Mapping) else [original_cls]
 
-        def add(wrapper_cls: type[QuantModule]) -> type[QuantModule]:
-            if not (isinstance(wrapper_cls, type) and issubclass(wrapper_cls, QuantModule)):
-                raise TypeError(f"wrapper for {original_cls.__name__} must subclass QuantModule")
-            if original_cls in self._by_class:
-                raise ValueError(
-                    f"{original_cls.__qualname__} already has the wrapper "
-                    f"{self._by_class[original_cls].__qualname__}; unregister it first"
+        def add(wrapper_cls: type[nn.Module]) -> type[nn.Module]:
+            names = ", ".join(getattr(c, "__name__", repr(c)) for c in originals)
+            if not _is_quantized_class(wrapper_cls):
+                raise TypeError(
+                    f"quantized class for {names} must subclass QuantModule or be a module class with a "
+                    f"_setup method that creates its quantizers; got {wrapper_cls!r}"
                 )
-            self._by_class[original_cls] = wrapper_cls
+            for cls in originals:
+                if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+                    raise TypeError(f"original_cls must be a torch.nn.Module subclass, got {cls!r}")
+                if cls in self._by_class:
+                    raise ValueError(
+                        f"{cls.__qualname__} already has the wrapper "
+                        f"{self._by_class[cls].__qualname__}; unregister it first"
+                    )
+            for cls in originals:
+                self._by_class[cls] = wrapper_cls
             return wrapper_cls
 
-        return add if wrapper is None else add(wrapper)
+        return add if quantized_cls is None else add(quantized_cls)
 
     def register_rule(
         self, name: str, predicate: Callable[[type[nn.Module]], bool], wrapper: type[QuantModule]
@@ -116,7 +181,7 @@ class QuantModuleRegistry:
     def unregister(self, original_cls: type[nn.Module]) -> None:
         self._by_class.pop(original_cls, None)
 
-    def wrapper_for(self, cls: type[nn.Module]) -> type[QuantModule] | None:
+    def wrapper_for(self, cls: type[nn.Module]) -> type[nn.Module] | None:
         if issubclass(cls, QuantModule):
             return None
         if cls in self._by_class:
@@ -137,29 +202,34 @@ class QuantModuleRegistry:
                 return base
         return None
 
-    def convert(self, module: nn.Module) -> bool:
-        """Swap ``module`` to its quantized class and add its quantizers; False when no wrapper applies."""
+    def convert(self, module: nn.Module) -> QuantModule:
+        """Swap ``module`` to its quantized class, add its quantizers and return it (the same object).
+        Raises ``KeyError`` when no wrapper applies (test with ``type(module) in registry``)."""
         cls = type(module)
         wrapper = self.wrapper_for(cls)
         if wrapper is None:
-            return False
+            raise KeyError(f"{cls.__qualname__} has no registered quantized class")
         key = (wrapper, cls)
         if key not in self._dynamic:
+            # Model-Optimizer's form (a subclass of the original with _setup) gets QuantModule's defaults
+            # behind its own methods; QuantModule mixins come first as they are.
+            bases = (wrapper, cls) if issubclass(wrapper, QuantModule) else (wrapper, QuantModule, cls)
             self._dynamic[key] = type(
-                f"Quant{cls.__name__}",
-                (wrapper, cls),
-                {"original_cls": cls, "__module__": wrapper.__module__},
+                f"Quant{cls.__name__}", bases, {"original_cls": cls, "__module__": wrapper.__module__}
             )
         module.__class__ = self._dynamic[key]
+        _rebind_forward(module, cls)
         module._setup()
-        return True
+        return module
 
     @staticmethod
     def revert(module: nn.Module) -> None:
         """Turn a converted module back into its original class, without quantizers."""
         if isinstance(module, QuantModule):
             module._teardown()
+            quantized = type(module)
             module.__class__ = module.original_cls
+            _rebind_forward(module, quantized)
 
     def __contains__(self, cls: type[nn.Module]) -> bool:
         return self.wrapper_for(cls) is not None

@@ -172,8 +172,9 @@ def restore_from_modelopt_state(model: nn.Module, state: dict[str, Any]) -> nn.M
 def _apply_state(model: nn.Module, state: dict[str, Any]) -> None:
     for name in state["modules"]:
         module = model.get_submodule(name) if name else model
-        if not QUANT_MODULES.convert(module):
+        if type(module) not in QUANT_MODULES:
             raise ValueError(f"cannot restore quantizers of {name!r}: no wrapper is registered for its class")
+        QUANT_MODULES.convert(module)
     name_quantizers(model)
     present = dict(iter_quantizers(model))
     device = next((p.device for p in model.parameters()), torch.device("cpu"))

@@ -30,6 +30,7 @@ from ..logging import get_logger, get_rank
 from ..moe import coverage_report, reset_coverage
 from ..nn import QuantModule, SequentialQuantizer, TensorQuantizer, iter_quantizers
 from ..nn.calibrators import sync_calibrators
+from ..nn.quant_module import replaced_forward
 from .config import ALGORITHMS
 
 __all__ = [
@@ -218,11 +219,32 @@ def _collect_activations(
         if empty:
             raise RuntimeError(
                 f"{len(empty)} enabled activation quantizer(s) received no data during calibration: "
-                f"{', '.join(empty[:10])}{' ...' if len(empty) > 10 else ''}. Their modules never ran in "
-                "forward_loop: feed data that reaches them or disable them in the config"
+                f"{', '.join(empty[:10])}{' ...' if len(empty) > 10 else ''}. {_why_no_data(model, empty)}"
             )
         for q in activations:
             q.load_calib_amax()
+
+
+def _why_no_data(model: nn.Module, empty: list[str]) -> str:
+    """The likely cause for quantizers that saw no data: a forward replaced on the instance of their module
+    (named when found), or modules that forward_loop never reached."""
+    replaced = [
+        f"{name}: forward replaced by {what}"
+        for name, module in model.named_modules()
+        if isinstance(module, QuantModule)
+        and (what := replaced_forward(module)) is not None
+        and any(q.startswith(f"{name}.") for q in empty)
+    ]
+    if replaced:
+        return (
+            f"Their module's forward was replaced on the instance, which bypasses the quantized forward "
+            f"({'; '.join(replaced[:4])}): quantize before replacing forward, or have the replacement call "
+            "the module's class forward"
+        )
+    return (
+        "Their modules never ran in forward_loop: feed data that reaches them or disable them in the config "
+        "(or a forward replaced on the instance bypassed the quantized class forward)"
+    )
 
 
 def _log_expert_coverage(model: nn.Module) -> None:

@@ -13,6 +13,7 @@ from ..logging import get_logger
 from ..moe import QuantExperts, experts_implementation_name
 from ..nn import QUANT_MODULES, QuantModule, SequentialQuantizer, TensorQuantizer, iter_quantizers
 from ..nn.kv_attention import QuantAttention, kv_attention_name
+from ..nn.quant_module import replaced_forward
 from .config import QuantizeConfig, QuantRule
 from .presets import STANDARD_EXCLUSIONS
 
@@ -47,7 +48,8 @@ def insert_quantizers(model: nn.Module, experts_implementation: str | None = Non
     for name, module in list(model.named_modules()):
         if isinstance(module, (TensorQuantizer, SequentialQuantizer, QuantModule)):
             continue
-        if QUANT_MODULES.convert(module):
+        if type(module) in QUANT_MODULES:
+            QUANT_MODULES.convert(module)
             converted.append(name)
         elif (base := QUANT_MODULES.shadowed_subclasses(type(module))) is not None and not _excluded(name):
             shadowed[name] = f"{type(module).__qualname__} (overrides {base.__name__}.forward)"
@@ -62,6 +64,18 @@ def insert_quantizers(model: nn.Module, experts_implementation: str | None = Non
             f"has no wrapper for, so they would stay unquantized: {', '.join(unwrapped_experts[:4])}. "
             "Supported: classes using transformers' @use_experts_implementation; register a wrapper with "
             "mtq.register"
+        )
+    replaced = {
+        name: what
+        for name in converted
+        if (what := replaced_forward(model.get_submodule(name) if name else model)) is not None
+    }
+    if replaced:
+        logger.warning(
+            "%d quantized module(s) have a forward replaced on the instance that does not run their class "
+            "forward, so their quantizers may never run (quantize before replacing forward): %s",
+            len(replaced),
+            ", ".join(f"{k} ({v})" for k, v in list(replaced.items())[:8]),
         )
     if shadowed:
         logger.warning(

@@ -1,0 +1,174 @@
+"""Quantizers run when accelerate's hooks replace ``forward`` on the instance (``device_map`` dispatch,
+CPU / disk offload), whether the hooks were added before or after quantization."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from accelerate import cpu_offload
+from accelerate.hooks import remove_hook_from_module
+from safetensors.torch import load_file
+from torch import nn
+from transformers import AutoModelForCausalLM
+from transformers.models.llama.modeling_llama import LlamaAttention
+
+import modelopt_lite.quantization as mtq
+from modelopt_lite.export import export_hf_checkpoint
+from modelopt_lite.nn import TensorQuantizer
+from modelopt_lite.quantization.insertion import remove_quantizers
+
+from ._models import batches, tiny_llama
+
+CFG = "FP8_DEFAULT_CFG"
+DATA = batches(n=2, batch=2, seq=8)
+# layer 1 lives on disk (its parameters are on the meta device outside its forward)
+DEVICE_MAP = {
+    "model.embed_tokens": "cpu",
+    "model.rotary_emb": "cpu",
+    "model.layers.0": "cpu",
+    "model.layers.1": "disk",
+    "model.norm": "cpu",
+    "lm_head": "cpu",
+}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_llama")
+    tiny_llama().save_pretrained(path)
+    return path
+
+
+def _offloaded(saved, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(
+        saved, device_map=DEVICE_MAP, offload_folder=str(tmp_path / "offload"), dtype=torch.float32
+    ).eval()
+    q_proj = model.model.layers[1].self_attn.q_proj
+    assert q_proj.weight.is_meta
+    assert "forward" in q_proj.__dict__
+    return model
+
+
+def _plain(saved):
+    return AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32).eval()
+
+
+def _loop(model):
+    for x in DATA:
+        model(x)
+
+
+def _quantizers_that_ran(model, inputs) -> tuple[set[str], set[str]]:
+    """(names of the enabled quantizers, names of those that ran during one forward)."""
+    enabled = {q.name for _, q in mtq.iter_quantizers(model) if q.is_enabled}
+    ran: set[str] = set()
+    handles = [
+        m.register_forward_hook(lambda mod, *_: ran.add(mod.name))
+        for m in model.modules()
+        if isinstance(m, TensorQuantizer)
+    ]
+    try:
+        with torch.no_grad():
+            model(inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    return enabled, ran
+
+
+def _amax(model) -> dict[str, torch.Tensor]:
+    return {n: q.amax for n, q in mtq.iter_quantizers(model) if q.is_enabled}
+
+
+def test_device_map_with_disk_offload_quantize_calibrate_train_export(saved, tmp_path):
+    plain = mtq.quantize(_plain(saved), CFG, _loop)
+    model = mtq.quantize(_offloaded(saved, tmp_path), CFG, _loop)
+
+    enabled, ran = _quantizers_that_ran(model, DATA[0])
+    assert len(enabled) == 28
+    assert ran >= enabled, f"bypassed: {sorted(enabled - ran)}"
+    got, want = _amax(model), _amax(plain)
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    with torch.no_grad():
+        assert torch.equal(model(DATA[1]).logits, plain(DATA[1]).logits)
+
+    # QAT steps on both, updating the parameters that live on the CPU (accelerate reloads the disk layer's
+    # weights from its offload folder in every forward, so they cannot train); the disk layer's quantizers
+    # run in every step and the two models stay identical
+    names = {n for n, p in model.named_parameters() if not p.is_meta}
+    assert len(names) < len(dict(model.named_parameters()))
+    losses = _train(model, names)
+    assert losses == _train(plain, names)
+    assert losses[-1] < losses[0]
+    enabled, ran = _quantizers_that_ran(model, DATA[0])
+    assert ran >= enabled
+
+    # the export reads the disk layer's weights through its hook: the same tensors as the plain model's
+    ours = load_file(export_hf_checkpoint(model, tmp_path / "ours").export_dir / "model.safetensors")
+    ref = load_file(export_hf_checkpoint(plain, tmp_path / "ref").export_dir / "model.safetensors")
+    assert ours.keys() == ref.keys()
+    assert "model.layers.1.mlp.down_proj.weight_scale" in ours
+    for key in ref:
+        assert torch.equal(ours[key].float(), ref[key].float()), key
+
+
+def _train(model, names: set[str], steps: int = 4) -> list[float]:
+    params = [p for n, p in model.named_parameters() if n in names]
+    opt = torch.optim.SGD(params, lr=0.1)
+    model.train()
+    losses = []
+    for step in range(steps):
+        x = DATA[step % len(DATA)]
+        loss = model(x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    model.eval()
+    return losses
+
+
+def test_fold_weight_writes_back_to_the_offloaded_copy(saved, tmp_path):
+    model = mtq.quantize(_offloaded(saved, tmp_path), CFG, _loop)
+    plain = mtq.quantize(_plain(saved), CFG, _loop)
+    mtq.fold_weight(model)
+    mtq.fold_weight(plain)
+    with torch.no_grad():
+        assert torch.equal(model(DATA[1]).logits, plain(DATA[1]).logits)
+    assert not model.model.layers[1].mlp.down_proj.weight_quantizer.is_enabled
+
+
+def test_hooks_added_after_quantization_and_removal(saved):
+    model = mtq.quantize(_plain(saved), CFG, _loop)
+    with torch.no_grad():
+        want = model(DATA[1]).logits
+    cpu_offload(model, execution_device="cpu")  # every module's tensors offloaded, hooks on every module
+    enabled, ran = _quantizers_that_ran(model, DATA[0])
+    assert ran >= enabled
+    with torch.no_grad():
+        assert torch.equal(model(DATA[1]).logits, want)
+    remove_hook_from_module(model, recurse=True)
+    remove_quantizers(model)
+    attn = model.model.layers[0].self_attn
+    assert type(attn) is LlamaAttention
+    assert "forward" not in attn.__dict__
+
+
+def test_revert_rebinds_a_hooked_forward_to_the_original_class(saved, tmp_path):
+    model = mtq.quantize(_offloaded(saved, tmp_path), CFG, _loop)
+    remove_quantizers(model)
+    q_proj = model.model.layers[1].self_attn.q_proj
+    assert type(q_proj) is nn.Linear
+    assert q_proj._old_forward.__func__ is nn.Linear.forward
+    with torch.no_grad():
+        assert torch.equal(model(DATA[1]).logits, _plain(saved)(DATA[1]).logits)
+
+
+def test_calibration_error_names_a_replaced_forward():
+    model = tiny_llama()
+    mlp = model.model.layers[0].mlp
+    mlp.down_proj.forward = lambda x: x @ mlp.down_proj.weight.t()  # a forward that skips the quantizers
+    with pytest.raises(RuntimeError, match=r"(?s)received no data.*down_proj: forward replaced"):
+        mtq.quantize(model, CFG, _loop)

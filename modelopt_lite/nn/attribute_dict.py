@@ -14,13 +14,10 @@ from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
 
+from .errors import UnsupportedFeatureError
 from .tensor_quantizer import QuantizerAttributes
 
 __all__ = ["ALLOWED_ATTRIBUTE_KEYS", "UnsupportedFeatureError", "quantizer_attributes"]
-
-
-class UnsupportedFeatureError(NotImplementedError, ValueError):
-    """A reference feature this library deliberately does not implement; the message names what to use."""
 
 
 _OURS = {f.name for f in fields(QuantizerAttributes)} - {"enable"}

@@ -10,12 +10,13 @@ Non-finite input raises: a NaN or inf reaching calibration would otherwise becom
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
 from ..distributed import all_reduce_max, is_distributed
-from ..formats import FormatSpec, fake_quant_reference, reduce_amax
+from ..formats import FormatSpec, fake_quant_reference, reduce_amax, resolve_format
+from .errors import UnsupportedFeatureError
 
 __all__ = ["Calibrator", "HistogramCalibrator", "MaxCalibrator", "make_calibrator", "sync_calibrators"]
 
@@ -29,11 +30,30 @@ def _check_finite(x: torch.Tensor, owner: str) -> None:
         )
 
 
-class Calibrator:
-    """Base class: ``collect`` batches, then ``compute_amax``; ``reset`` to start over."""
+def _spec_of(spec_or_bits: FormatSpec | int | tuple[int, int], axis: Any, unsigned: bool) -> FormatSpec:
+    """Our form passes a :class:`FormatSpec`; the reference's passes ``num_bits, axis, unsigned``."""
+    if isinstance(spec_or_bits, FormatSpec):
+        return spec_or_bits
+    return resolve_format(spec_or_bits, axis, None, unsigned, False)
 
-    def __init__(self, spec: FormatSpec, owner: str = "TensorQuantizer"):
-        self.spec = spec
+
+class Calibrator:
+    """Base class: ``collect`` batches, then ``compute_amax``; ``reset`` to start over.
+
+    Constructed with a :class:`FormatSpec` (``MaxCalibrator(spec, owner)``) or, as in the reference library,
+    with ``num_bits, axis, unsigned`` (``MaxCalibrator(8, axis=0)``)."""
+
+    def __init__(
+        self,
+        spec: FormatSpec | int | tuple[int, int] = 8,
+        owner: str = "TensorQuantizer",
+        *,
+        axis: int | tuple[int, ...] | None = None,
+        unsigned: bool = False,
+    ):
+        if owner is None or (not isinstance(spec, FormatSpec) and isinstance(owner, (int, tuple))):
+            owner, axis = "TensorQuantizer", owner  # the reference's positional (num_bits, axis)
+        self.spec = _spec_of(spec, axis, unsigned)
         self.owner = owner
         self.num_batches = 0
 
@@ -50,8 +70,21 @@ class Calibrator:
 class MaxCalibrator(Calibrator):
     """Running max of ``|x|`` with the amax shape the spec stores."""
 
-    def __init__(self, spec: FormatSpec, owner: str = "TensorQuantizer"):
-        super().__init__(spec, owner)
+    def __init__(
+        self,
+        spec: FormatSpec | int | tuple[int, int] = 8,
+        owner: Any = "TensorQuantizer",
+        *,
+        axis: int | tuple[int, ...] | None = None,
+        unsigned: bool = False,
+        track_amax: bool = False,
+    ):
+        super().__init__(spec, owner, axis=axis, unsigned=unsigned)
+        if track_amax:
+            raise UnsupportedFeatureError(
+                "MaxCalibrator(track_amax=True) (a list of every batch's amax) is not implemented; read "
+                "compute_amax() after each batch instead"
+            )
         self._amax: torch.Tensor | None = None
 
     def collect(self, x: torch.Tensor) -> None:
@@ -83,13 +116,17 @@ class HistogramCalibrator(Calibrator):
 
     def __init__(
         self,
-        spec: FormatSpec,
-        owner: str = "TensorQuantizer",
+        spec: FormatSpec | int | tuple[int, int] = 8,
+        owner: Any = "TensorQuantizer",
         method: Literal["percentile", "mse"] = "percentile",
         percentile: float = 99.99,
         num_bins: int = 2048,
+        *,
+        axis: int | tuple[int, ...] | None = None,
+        unsigned: bool = False,
     ):
-        super().__init__(spec, owner)
+        super().__init__(spec, owner, axis=axis, unsigned=unsigned)
+        spec, owner = self.spec, self.owner
         if spec.kind not in ("int", "fp8") or spec.axis is not None or spec.block_axes:
             raise ValueError(
                 f"{owner}: calibrator '{method}' supports per-tensor INT / FP8 quantizers only, "

@@ -9,12 +9,14 @@ is never transposed in place (its ``state_dict`` is unchanged).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from .attribute_dict import quantizer_attributes
 from .quant_module import QUANT_MODULES, Quantizer, QuantModule
 from .tensor_quantizer import TensorQuantizer
 
@@ -23,10 +25,31 @@ __all__ = ["QuantConv1D", "QuantLinear"]
 
 @QUANT_MODULES.register(nn.Linear)
 class QuantLinear(QuantModule):
-    """``y = Q_out(F.linear(Q_in(x), Q_w(W), b))``."""
+    """``y = Q_out(F.linear(Q_in(x), Q_w(W), b))``.
+
+    Usually made by :func:`mtq.quantize`, which turns each ``nn.Linear`` of a model into one. It can also be
+    built directly, as in the reference library: ``QuantLinear(in_features, out_features, bias=True,
+    quant_desc_input=..., quant_desc_weight=...)`` (the descriptors are attribute mappings such as a
+    ``QuantizerAttributeConfig``) makes an ``nn.Linear`` with the same arguments and converts it."""
 
     weight: nn.Parameter
     bias: nn.Parameter | None
+    _builds: type[nn.Module] = nn.Linear  # what the reference-style constructor makes and converts
+
+    def __new__(cls, *args: Any, quant_desc_input: Any = None, quant_desc_weight: Any = None, **kwargs: Any):
+        if "original_cls" in cls.__dict__:  # the class a conversion made (copy / unpickling land here)
+            return super().__new__(cls)
+        module = QUANT_MODULES.convert(cls._builds(*args, **kwargs))
+        for slot, desc in (("input_quantizer", quant_desc_input), ("weight_quantizer", quant_desc_weight)):
+            if desc is not None:
+                getattr(module, slot).set_attributes(
+                    quantizer_attributes(desc, desc.get("enable", True), slot)
+                )
+        return module
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """Nothing to do: ``__new__`` built and converted the module (``nn.Linear.__init__`` must not run
+        again on it)."""
 
     def _setup(self) -> None:
         self.input_quantizer = TensorQuantizer("input_quantizer")
@@ -63,6 +86,7 @@ class QuantConv1D(QuantLinear):
     """GPT-2's ``Conv1D`` stores ``(in, out)`` and computes ``x @ W + b``."""
 
     nf: int
+    _builds = Conv1D  # QuantConv1D(nf, nx) as Conv1D(nf, nx)
 
     def _weight_view(self) -> torch.Tensor:
         return self.weight.t()

@@ -19,13 +19,27 @@ __all__ = ["SequentialQuantizer"]
 class SequentialQuantizer(nn.ModuleList):
     """Stages run in order; calibrating from a tensor calibrates stage ``i`` on stage ``i - 1``'s output."""
 
-    def __init__(self, name: str, attributes: Sequence[QuantizerAttributes]):
-        if len(attributes) < 2:
-            raise ValueError(
-                f"{name}: a sequential quantizer needs two or more stages, got {len(attributes)}"
-            )
-        super().__init__(TensorQuantizer(f"{name}.{i}").set_attributes(a) for i, a in enumerate(attributes))
-        self._name = name
+    def __init__(self, *args: str | Sequence[QuantizerAttributes] | TensorQuantizer):
+        """``SequentialQuantizer(name, [attributes, ...])`` (one stage per attributes), or the reference's
+        ``SequentialQuantizer(*quantizers)`` (the given :class:`TensorQuantizer` objects are the stages)."""
+        if args and isinstance(args[0], str):
+            if len(args) != 2:
+                raise TypeError("SequentialQuantizer(name, attributes) takes a name and a list of attributes")
+            name, attributes = args
+            if len(attributes) < 2:
+                raise ValueError(
+                    f"{name}: a sequential quantizer needs two or more stages, got {len(attributes)}"
+                )
+            stages = [TensorQuantizer(f"{name}.{i}").set_attributes(a) for i, a in enumerate(attributes)]
+        else:
+            name, stages = "SequentialQuantizer", list(args)
+            bad = [type(q).__name__ for q in stages if not isinstance(q, TensorQuantizer)]
+            if not stages or bad:
+                raise TypeError(
+                    f"SequentialQuantizer(*quantizers) takes TensorQuantizer objects, got {bad or 'none'}"
+                )
+        super().__init__(stages)
+        self.name = name
 
     @property
     def name(self) -> str:

@@ -13,6 +13,7 @@ It is still calibrated first, saved and restored as the amax buffer is, and expo
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
@@ -58,8 +59,22 @@ class QuantizerAttributes:
 class TensorQuantizer(nn.Module):
     """Fake-quantize a tensor in one format; calibrate its amax; keep it in ``state_dict``."""
 
-    def __init__(self, name: str = "TensorQuantizer", **attributes: Any):
+    def __init__(
+        self,
+        quant_attribute_cfg: Mapping[str, Any] | str | None = None,
+        if_quant: bool = True,
+        if_calib: bool = False,
+        amax: torch.Tensor | float | None = None,
+        *,
+        name: str = "TensorQuantizer",
+        **attributes: Any,
+    ):
+        """``TensorQuantizer("input_quantizer", num_bits=8)`` (a name and attributes) or the reference's
+        ``TensorQuantizer(QuantizerAttributeConfig(...), if_quant, if_calib, amax)``: an attribute mapping in
+        the reference's vocabulary, whether fake quantization and calibration start on, and an amax."""
         super().__init__()
+        if isinstance(quant_attribute_cfg, str):
+            name, quant_attribute_cfg = quant_attribute_cfg, None
         self._name = name
         self._attrs = QuantizerAttributes()
         self._spec = self._attrs.spec()
@@ -70,9 +85,22 @@ class TensorQuantizer(nn.Module):
         self._calib_enabled = False
         self._calibrator: Calibrator = make_calibrator("max", self._spec, name)
         pre_quant_scale = attributes.pop("pre_quant_scale", None)
-        self.configure(**attributes)
+        if quant_attribute_cfg is not None:
+            if attributes:
+                raise ValueError(f"{name}: give attributes as quant_attribute_cfg or as keywords, not both")
+            from .attribute_dict import quantizer_attributes  # (it builds on this module)
+
+            enable = (
+                quant_attribute_cfg.get("enable", True) if isinstance(quant_attribute_cfg, Mapping) else True
+            )
+            self.set_attributes(quantizer_attributes(quant_attribute_cfg, enable, name))
+        else:
+            self.configure(**attributes)
         if pre_quant_scale is not None:
             self.pre_quant_scale = pre_quant_scale
+        if amax is not None:
+            self.amax = amax
+        self._quant_enabled, self._calib_enabled = bool(if_quant), bool(if_calib)
 
     # ----------------------------------------------------------------------- attributes
     def configure(self, **attributes: Any) -> TensorQuantizer:

@@ -14,6 +14,9 @@
   with one global amax (NVFP4, FP8 per tensor) search one ratio per weight.
 * ``awq_full``: lite, then clip.
 
+Options: ``alpha_step``, ``clip_ratios`` (or the reference's ``min_clip_ratio`` / ``shrink_step``, which give
+the same grid), ``max_tokens`` (sample rows kept per layer), ``debug`` (log each group's alpha at INFO).
+
 Each expert is searched on its own tokens; an expert that received none keeps its max-calibrated amax
 (logged at INFO with the count). Targets are processed one transformer block at a time.
 """
@@ -146,11 +149,22 @@ def _run(model: nn.Module, forward_loop: ForwardLoop | None, name: str, lite: bo
     require_data(name, forward_loop)
     alpha_step = float(opts.pop("alpha_step", 0.1))
     ratios = tuple(opts.pop("clip_ratios", _CLIP_RATIOS))
+    if "min_clip_ratio" in opts or "shrink_step" in opts:  # the reference's way to give the same grid
+        low, step = float(opts.pop("min_clip_ratio", 0.5)), float(opts.pop("shrink_step", 0.05))
+        if not (0 < low < 1 and 0 < step <= 1):
+            raise ValueError(f"{name}: need 0 < min_clip_ratio < 1 and 0 < shrink_step <= 1")
+        ratios = tuple(round(1.0 - step * i, 6) for i in range(int((1.0 - low) / step + 1e-9) + 1))
     max_rows = int(opts.pop("max_tokens", 2048))
+    debug = opts.pop("debug", False)
     if opts:
-        raise ValueError(f"{name}: unknown option(s) {sorted(opts)} (alpha_step, clip_ratios, max_tokens)")
+        raise ValueError(
+            f"{name}: unknown option(s) {sorted(opts)} (alpha_step, clip_ratios, min_clip_ratio, "
+            "shrink_step, max_tokens, debug)"
+        )
     if not 0 < alpha_step <= 1:
         raise ValueError(f"{name}: alpha_step={alpha_step} must lie in (0, 1]")
+    if not isinstance(debug, bool):
+        raise TypeError(f"{name}: debug={debug!r} must be True or False")
     targets = _weight_targets(model, name)
     alphas, idle = [], 0
     if lite:
@@ -158,9 +172,11 @@ def _run(model: nn.Module, forward_loop: ForwardLoop | None, name: str, lite: bo
             with calibration_mode(model), capture(block, max_rows=max_rows) as stats:
                 run_forward_loop(model, forward_loop, desc=f"{name} block")
             idle += sum(t.expert is not None and not stats[t.name].count for t in block)
-            alphas += [
-                a for g in groups(block, stats) if (a := _lite_group(g, stats, alpha_step)) is not None
-            ]
+            for g in groups(block, stats):
+                alpha = _lite_group(g, stats, alpha_step)
+                if debug:  # the reference's AWQ debug option: each group's alpha
+                    logger.info("%s: %s -> alpha %s", name, ", ".join(t.name for t in g), alpha)
+                alphas += [] if alpha is None else [alpha]
     max_calibrate(model, forward_loop)
     if clip:
         for block in blocks(targets):

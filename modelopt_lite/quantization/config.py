@@ -184,7 +184,11 @@ class QuantizeConfig:
     algorithm: str | Mapping[str, Any] | None = "max"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "quant_cfg", tuple(self.quant_cfg))
+        # the reference's keyword form QuantizeConfig(quant_cfg=[{...}, ...]) gives entries as mappings
+        rules = [
+            r for e in self.quant_cfg for r in (QuantRule.from_entry(e) if isinstance(e, Mapping) else [e])
+        ]
+        object.__setattr__(self, "quant_cfg", tuple(rules))
         for rule in self.quant_cfg:
             if not isinstance(rule, QuantRule):
                 raise TypeError(f"quant_cfg must hold QuantRule objects, got {type(rule).__name__}")

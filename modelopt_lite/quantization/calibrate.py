@@ -9,7 +9,9 @@ finite, positive ``amax``; otherwise :func:`check_calibrated` raises naming each
 
 from __future__ import annotations
 
+import inspect
 import logging
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -103,6 +105,7 @@ def calibrate(
     """Calibrate the quantizers of an already quantized ``model`` with ``algorithm`` (a name, a dict with
     ``"method"`` and options, or ``None`` for nothing). Returns ``model``."""
     algorithm, options = check_algorithm(algorithm)
+    forward_loop = _taking_the_model(forward_loop)
     if algorithm is None:
         try:
             check_calibrated(model)
@@ -126,6 +129,25 @@ def calibrate(
         broadcast_tensors([*model.parameters(), *_quantizer_buffers(model)])
     check_calibrated(model)
     return model
+
+
+def _taking_the_model(forward_loop: ForwardLoop | None) -> ForwardLoop | None:
+    """Accept a deprecated zero-argument ``forward_loop`` (Model-Optimizer does, with a warning)."""
+    if not callable(forward_loop) or isinstance(forward_loop, nn.Module):
+        return forward_loop
+    try:
+        takes_arguments = bool(inspect.signature(forward_loop).parameters)
+    except (TypeError, ValueError):  # no signature to read (some builtins): call it with the model
+        return forward_loop
+    if takes_arguments:
+        return forward_loop
+    warnings.warn(
+        "forward_loop takes no argument; it should take the model (def forward_loop(model): ...). "
+        "Zero-argument forward loops are deprecated and will stop working in a future release",
+        FutureWarning,
+        stacklevel=3,
+    )
+    return lambda model: forward_loop()
 
 
 def _quantizer_buffers(model: nn.Module) -> list[torch.Tensor]:

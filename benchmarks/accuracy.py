@@ -26,7 +26,9 @@ Rows. PTQ (fake quant, calibrated on the same windows):
 * ``w4a16_nvfp4``: NVFP4 weights only, ``a_nvfp4``: NVFP4 activations (and FP8 KV) only: the two parts of
   the nvfp4 gap;
 * ``nvfp4_rot``: nvfp4 after ``mtq.rotate_residual`` (residual-stream rotation folded into the weights);
-* ``int4``: INT4 block-128 weight-only (max), ``int4_awq``: the same with AWQ (``INT4_AWQ_CFG``).
+* ``int4``: INT4 block-128 weight-only (max), ``int4_awq``: the same with AWQ (``INT4_AWQ_CFG``);
+* ``nvfp4_nokv``: ``NVFP4_DEFAULT_CFG`` as it is (W4A4, KV cache unquantized), ``fp8``: ``FP8_DEFAULT_CFG``
+  (W8A8 FP8, per-tensor amax): the formats of the side-by-side with the peers (``benchmarks/peers.py``).
 
 Training (each from a copy of its PTQ row, so the trainer skips calibration and recovery compares against
 exactly that row): ``qat X`` = ``QATTrainer`` (cross-entropy), ``qad X`` = ``QADTrainer`` with the
@@ -62,7 +64,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-PTQ_ROWS = ("nvfp4", "nvfp4_awq", "w4a16_nvfp4", "a_nvfp4", "nvfp4_rot", "int4", "int4_awq")
+PTQ_ROWS = (
+    "nvfp4",
+    "nvfp4_awq",
+    "w4a16_nvfp4",
+    "a_nvfp4",
+    "nvfp4_rot",
+    "int4",
+    "int4_awq",
+    "nvfp4_nokv",
+    "fp8",
+)
 # training row -> (mode, PTQ row it starts from, learnable amax)
 TRAIN_ROWS: dict[str, tuple[str, str, bool]] = {
     "qat nvfp4": ("qat", "nvfp4", False),
@@ -75,6 +87,11 @@ TRAIN_ROWS: dict[str, tuple[str, str, bool]] = {
     "qad int4": ("qad", "int4", False),
     "qad int4 +la": ("qad", "int4", True),
     "qad int4_awq": ("qad", "int4_awq", False),
+    # the formats of the side-by-side with the peers (benchmarks/peers.py)
+    "qat nvfp4_nokv": ("qat", "nvfp4_nokv", False),
+    "qad nvfp4_nokv": ("qad", "nvfp4_nokv", False),
+    "qat fp8": ("qat", "fp8", False),
+    "qad fp8": ("qad", "fp8", False),
 }
 DEFAULT_TRAIN = (
     "qat nvfp4",
@@ -200,6 +217,14 @@ def _kl(base_logprobs: list[Any], model: Any, windows: Any, batch_size: int = 8)
     return total / count
 
 
+def base_logprobs(model: Any, windows: Any, batch_size: int = 8) -> list[Any]:
+    """The unquantized model's next-token log-probabilities on ``windows``, per batch (for :func:`_kl`)."""
+    import torch
+
+    with torch.no_grad():
+        return [model(input_ids=b).logits[:, :-1].float().log_softmax(-1) for b in windows.split(batch_size)]
+
+
 def ptq_config(row: str) -> dict[str, Any]:
     import modelopt_lite.quantization as mtq
     from modelopt_lite.export.ptq import build_config
@@ -208,13 +233,16 @@ def ptq_config(row: str) -> dict[str, Any]:
         return build_config("nvfp4", "fp8")
     if row == "nvfp4_awq":
         return build_config("nvfp4_awq", "fp8")
+    if row == "nvfp4_nokv":
+        return build_config("nvfp4")
     if row == "w4a16_nvfp4":
         return build_config("w4a16_nvfp4")
     if row == "a_nvfp4":  # the activation (and KV) half of nvfp4: weights left in full precision
         cfg = build_config("nvfp4", "fp8")
         cfg["quant_cfg"] = [*cfg["quant_cfg"], {"quantizer_name": "*weight_quantizer", "enable": False}]
         return cfg
-    return mtq.get_preset({"int4": "INT4_BLOCKWISE_WEIGHT_ONLY_CFG", "int4_awq": "INT4_AWQ_CFG"}[row])
+    presets = {"int4": "INT4_BLOCKWISE_WEIGHT_ONLY_CFG", "int4_awq": "INT4_AWQ_CFG", "fp8": "FP8_DEFAULT_CFG"}
+    return mtq.get_preset(presets[row])
 
 
 def _training_args(args: argparse.Namespace, output_dir: str, steps: int, seed: int) -> Any:
@@ -298,23 +326,32 @@ def _share(start: float, end: float, goal: float) -> float | None:
     return None if start - goal <= 0 else (start - end) / (start - goal)
 
 
-def measure(kind: str, args: argparse.Namespace) -> dict[str, Any]:
-    import torch
-
-    import modelopt_lite.quantization as mtq
+def load_data(
+    kind: str, args: argparse.Namespace
+) -> tuple[Any, Any, dict[str, Any], list[Any], TokenWindows]:
+    """The unquantized model (fp32, eval mode), its tokenizer and the data of every row: the
+    ``validation`` / ``test`` windows, the calibration batches and the training windows."""
     from modelopt_lite.models import corpus_texts, load_default_model
     from modelopt_lite.models.trainer import token_stream
 
-    t0 = time.perf_counter()
     base, tokenizer = load_default_model(kind, train_if_missing=False)
     base = base.float().eval()
     eval_seq = base.config.max_position_embeddings
     stream = {s: token_stream(tokenizer, corpus_texts(s)) for s in ("fit", "validation", "test")}
     evals = {s: TokenWindows(stream[s], eval_seq).ids[: args.eval_windows] for s in ("validation", "test")}
     calib_batches = list(TokenWindows(stream["fit"], CALIB_SEQ).ids[: args.calib_size].split(CALIB_BATCH))
-    train_set = TokenWindows(stream["fit"], args.seq_len)
-    with torch.no_grad():
-        base_lp = [base(input_ids=b).logits[:, :-1].float().log_softmax(-1) for b in evals["test"].split(8)]
+    return base, tokenizer, evals, calib_batches, TokenWindows(stream["fit"], args.seq_len)
+
+
+def measure(kind: str, args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    import modelopt_lite.quantization as mtq
+
+    t0 = time.perf_counter()
+    base, tokenizer, evals, calib_batches, train_set = load_data(kind, args)
+    eval_seq = base.config.max_position_embeddings
+    base_lp = base_logprobs(base, evals["test"])
     print(
         f"\n## {kind}: {sum(p.numel() for p in base.parameters()) / 1e6:.2f}M parameters; validation "
         f"{tuple(evals['validation'].shape)}, test {tuple(evals['test'].shape)} windows; calibration "

@@ -1,0 +1,314 @@
+"""QAT / QAD recovery side by side with the peers: same model, data, budget, lr and seed (issue 14).
+
+    python benchmarks/peers.py --make-venvs DIR          # once: DIR/torchao and DIR/modelopt virtualenvs
+    TORCHAO_PYTHON=DIR/torchao/bin/python MODELOPT_REFERENCE_PYTHON=DIR/modelopt/bin/python \\
+    MODELOPT_LITE_CACHE=... OMP_WAIT_POLICY=PASSIVE python benchmarks/peers.py --models bench-dense \\
+        [--seed 0] [--steps 200] [--lr 1e-4] [--json F] [--md F] [--quick]
+
+Rows, per format (``nvfp4`` W4A4 NVFP4, ``int4`` INT4 weight-only groups of 128, ``fp8`` W8A8 FP8):
+
+* ours: ``benchmarks/accuracy.py``'s PTQ / ``qat`` / ``qad`` rows (``nvfp4_nokv``, ``int4``, ``fp8``) and
+  its ``ft`` control, measured by its own ``measure``;
+* torchao (``--torchao-python``, default ``$TORCHAO_PYTHON``): ``QATConfig(base, step="prepare")`` with
+  ``NVFP4DynamicActivationNVFP4WeightConfig``, ``Int4WeightOnlyConfig(group_size=128)`` and
+  ``Float8DynamicActivationFloat8WeightConfig``, trained by a plain ``transformers.Trainer``; its "ptq" row
+  is the prepared (fake-quantized) model before training; torchao has no QAD;
+* nvidia-modelopt (``--modelopt-python``, default ``$MODELOPT_REFERENCE_PYTHON``): ``mtq.quantize`` with
+  ``NVFP4_DEFAULT_CFG`` / ``INT4_BLOCKWISE_WEIGHT_ONLY_CFG`` / ``FP8_DEFAULT_CFG``, then its ``QATTrainer``
+  and ``QADTrainer``.
+
+A peer runs in its own interpreter (``benchmarks/_peer_worker.py``); a peer left unset is skipped. This
+script exports the data our rows use (the ``fit`` training windows, which every trainer shuffles the
+same way since they share the training arguments and seed, the calibration windows, the validation and
+test windows) to a safetensors file and passes the benchmark model's folder (a Hugging Face checkpoint).
+Every model is measured by ``accuracy.py``'s perplexity and KL. Recovery as in ``accuracy.py``: QAT against
+the ``ft`` control, QAD against the unquantized model, each against its own library's PTQ row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import _harness as h
+import accuracy
+
+TORCHAO_PYTHON_ENV = "TORCHAO_PYTHON"
+FORMATS = ("nvfp4", "int4", "fp8")
+OUR_PTQ = {"nvfp4": "nvfp4_nokv", "int4": "int4", "fp8": "fp8"}  # format -> accuracy.py PTQ row
+WORKER = str(Path(__file__).with_name("_peer_worker.py"))
+#: what --make-venvs installs next to this interpreter's torch / transformers / accelerate / safetensors
+PEER_PACKAGES = {"torchao": ["torchao==0.18.*"], "modelopt": ["nvidia-modelopt==0.47.*"]}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description="QAT / QAD recovery side by side with torchao and nvidia-modelopt"
+    )
+    p.add_argument("--models", default="bench-dense", help="comma-separated benchmark models")
+    p.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated: {', '.join(FORMATS)}")
+    p.add_argument("--torchao-python", default=os.environ.get(TORCHAO_PYTHON_ENV) or None)
+    p.add_argument("--modelopt-python", default=h.default_reference_python())
+    p.add_argument("--make-venvs", metavar="DIR", help="create DIR/torchao and DIR/modelopt, then exit")
+    p.add_argument("--no-ours", dest="ours", action="store_false", help="skip our rows (peers only)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--calib-size", type=int, default=32)
+    p.add_argument("--eval-windows", type=int, default=None)
+    p.add_argument("--quick", action="store_true", help="smoke run: 4 steps, 4 calibration / eval windows")
+    p.add_argument(
+        "--merge", nargs="+", metavar="JSON", help="measure nothing: combine the --json files of earlier runs"
+    )
+    p.add_argument("--json", help="write the numbers here")
+    p.add_argument("--md", help="write the markdown table here")
+    args = p.parse_args(argv)
+    args.models, args.formats = accuracy._csv(args.models), accuracy._csv(args.formats)
+    bad = [f for f in args.formats if f not in FORMATS] + [m for m in args.models if m not in accuracy.MODELS]
+    if bad:
+        p.error(f"unknown {bad}: --formats from {list(FORMATS)}, --models from {list(accuracy.MODELS)}")
+    if args.quick:
+        args.steps, args.calib_size, args.eval_windows = 4, 4, args.eval_windows or 4
+    return args
+
+
+def make_venvs(root: str) -> None:
+    """``root/torchao`` and ``root/modelopt``: torch, transformers, accelerate and safetensors at this
+    interpreter's versions (a ``+cpu`` torch from the CPU wheel index) and the peer library."""
+    import accelerate
+    import safetensors
+    import torch
+    import transformers
+
+    torch_pin = torch.__version__.split("+")[0]
+    common = [
+        f"torch=={torch_pin}",
+        f"transformers=={transformers.__version__}",
+        f"accelerate=={accelerate.__version__}",
+        f"safetensors=={safetensors.__version__}",
+    ]
+    index = (
+        ["--extra-index-url", "https://download.pytorch.org/whl/cpu"] if "+cpu" in torch.__version__ else []
+    )
+    for name, packages in PEER_PACKAGES.items():
+        venv = Path(root) / name
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        pip = [str(venv / "bin" / "python"), "-m", "pip", "install", *index]
+        subprocess.run([*pip, *common, *packages], check=True)
+    print(
+        f"export {TORCHAO_PYTHON_ENV}={Path(root, 'torchao', 'bin', 'python')}\n"
+        f"export {h.REFERENCE_PYTHON_ENV}={Path(root, 'modelopt', 'bin', 'python')}"
+    )
+
+
+def export_data(path: str, evals: dict[str, Any], calib_batches: list[Any], train_set: Any) -> None:
+    """The windows of every row, as ``accuracy.load_data`` made them, in one safetensors file."""
+    import torch
+    from safetensors.torch import save_file
+
+    tensors = {"train": train_set.ids, "calib": torch.cat(calib_batches), **evals}
+    save_file({k: v.contiguous() for k, v in tensors.items()}, path)
+
+
+def run_peer(peer: str, python: str, spec_path: str, threads: int) -> dict[str, Any]:
+    """The worker's result under ``python`` (its progress goes to this stderr), or ``{"error": ...}``."""
+    env = h.child_env(threads, h.REPO_ROOT, keep_pythonpath=False)
+    cmd = [python, WORKER, "--peer", peer, "--spec", spec_path]
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
+    results = h.parse_results(proc.stdout)
+    return results[-1] if results else {"error": f"worker exited {proc.returncode} without a result"}
+
+
+def measure_ours(kind: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """``accuracy.measure`` on the formats' PTQ rows, their ``qat`` / ``qad`` rows and the ``ft`` control."""
+    ptq = [OUR_PTQ[f] for f in args.formats]
+    ns = accuracy.parse_args(
+        [
+            *("--models", kind, "--threads", str(args.threads), "--seeds", str(args.seed)),
+            *(
+                "--steps",
+                str(args.steps),
+                "--batch-size",
+                str(args.batch_size),
+                "--seq-len",
+                str(args.seq_len),
+            ),
+            *(
+                "--lr",
+                repr(args.lr),
+                "--temperature",
+                repr(args.temperature),
+                "--calib-size",
+                str(args.calib_size),
+            ),
+            *("--ptq", ",".join(ptq), "--rows", ",".join(f"{m} {r}" for r in ptq for m in ("qat", "qad"))),
+        ]
+    )
+    ns.eval_windows = args.eval_windows
+    rows = accuracy.measure(kind, ns)["rows"]
+    fmt_of = {f"ptq {row}": fmt for fmt, row in OUR_PTQ.items()}
+    for row in rows:
+        row["library"] = "ours"
+        row["format"] = fmt_of.get(row.get("starts_from", row["name"]), "")
+    return rows
+
+
+def with_recovery(rows: list[dict[str, Any]], baseline: dict[str, Any], ft: dict[str, Any] | None) -> None:
+    """Recovery of every trained row against its own library's PTQ row of the same format."""
+    ptq = {(r["library"], r["format"]): r for r in rows if r["method"] == "ptq"}
+    for row in rows:
+        start = ptq.get((row["library"], row["format"]))
+        if row["method"] not in ("qat", "qad", "converted") or start is None:
+            continue
+        goal = ft if row["method"] in ("qat", "converted") else baseline
+        for split in ("val", "test"):
+            row[f"{split}_recovery"] = (
+                None
+                if goal is None
+                else accuracy._share(start[f"{split}_ppl"], row[f"{split}_ppl"], goal[f"{split}_ppl"])
+            )
+        row["kl_recovery"] = 1 - row["kl"] / start["kl"] if start["kl"] > 0 else None
+
+
+def measure(kind: str, args: argparse.Namespace, work: str) -> dict[str, Any]:
+    from modelopt_lite.models import default_model_path
+
+    t0 = time.perf_counter()
+    _, _, evals, calib_batches, train_set = accuracy.load_data(kind, args)
+    data = os.path.join(work, f"{kind}-data.safetensors")
+    export_data(data, evals, calib_batches, train_set)
+    spec = {
+        "model_dir": str(default_model_path(kind, train_if_missing=False)),
+        "data": data,
+        "formats": args.formats,
+        "steps": args.steps,
+        "batch_size": args.batch_size,
+        "lr": args.lr,
+        "seed": args.seed,
+        "temperature": args.temperature,
+        "threads": args.threads,
+        "calib_batch": accuracy.CALIB_BATCH,
+    }
+    spec_path = os.path.join(work, f"{kind}-spec.json")
+    Path(spec_path).write_text(json.dumps(spec))
+    rows = measure_ours(kind, args) if args.ours else []
+    peers: dict[str, Any] = {}
+    for peer, python in (("torchao", args.torchao_python), ("modelopt", args.modelopt_python)):
+        if not python:
+            print(f"\n## {kind}: {peer} skipped (no --{peer}-python)", flush=True)
+            continue
+        print(f"\n## {kind}: {peer} ({python})", flush=True)
+        res = run_peer(peer, python, spec_path, args.threads)
+        peers[peer] = {k: v for k, v in res.items() if k != "rows"}
+        for row in res.get("rows", []):
+            row["library"] = peer
+            rows.append(row)
+    ours_base = next((r for r in rows if r["library"] == "ours" and r["method"] == "baseline"), None)
+    baseline = ours_base or next((r for r in rows if r["method"] == "baseline"), None)
+    ft = next((r for r in rows if r["method"] == "ft"), None)
+    if baseline is not None:
+        with_recovery(rows, baseline, ft)
+    return {"kind": kind, "seconds": round(time.perf_counter() - t0, 1), "peers": peers, "rows": rows}
+
+
+# ---------------------------------------------------------------------------------------------- output
+
+
+def _pct(x: float | None) -> str:
+    return "" if x is None else f"{100 * x:.1f}%"
+
+
+def markdown(results: list[dict[str, Any]]) -> str:
+    """Per model and format: each library's PTQ, QAT and QAD rows (perplexity, recovery, KL, train time)."""
+    lines = [
+        "| model | format | library | row | val ppl | test ppl | val recovery | test recovery | KL (1e-3) "
+        "| train s |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    order = {"baseline": 0, "ft": 1, "ptq": 2, "qat": 3, "converted": 4, "qad": 5}
+    libs = {"ours": 0, "torchao": 1, "modelopt": 2}
+    for res in results:
+        rows = [r for r in res["rows"] if not (r["method"] == "baseline" and r["library"] != "ours")]
+        rows.sort(key=lambda r: (r["format"], order[r["method"]], libs[r["library"]]))
+        for r in rows:
+            lines.append(
+                f"| {res['kind']} | {r['format'] or '-'} | {r['library']} | {r['name']} | {r['val_ppl']:.3f} "
+                f"| {r['test_ppl']:.3f} | {_pct(r.get('val_recovery'))} | {_pct(r.get('test_recovery'))} "
+                f"| {1e3 * r['kl']:.3f} | {r.get('train_seconds', '')} |"
+            )
+    return "\n".join(lines)
+
+
+def errors(results: list[dict[str, Any]]) -> list[str]:
+    """``model: peer: what failed: error`` for every peer error."""
+    out = []
+    for res in results:
+        for peer, info in res["peers"].items():
+            if "error" in info:
+                out.append(f"{res['kind']}: {peer}: worker: {info['error']}")
+            for key, err in info.get("errors", {}).items():
+                out.append(f"{res['kind']}: {key}: {err}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.make_venvs:
+        make_venvs(args.make_venvs)
+        return 0
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(args.threads)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    import torch
+    import transformers
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    start = time.perf_counter()
+    if args.merge:
+        runs = [json.loads(Path(f).read_text()) for f in args.merge]
+        results = [m for run in runs for m in run["models"]]
+        budget = " | ".join(sorted({run["meta"]["budget"] for run in runs}))
+    else:
+        budget = (
+            f"{args.steps} steps x {args.batch_size} x {args.seq_len} tokens, lr {args.lr:g} (warm-up 10%, "
+            f"cosine), AdamW, QAD T={args.temperature:g}, seed {args.seed}, {args.threads} thread(s)"
+        )
+        with tempfile.TemporaryDirectory(prefix="peers-bench-") as work:
+            results = [measure(kind, args, work) for kind in args.models]
+    table, errs = markdown(results), errors(results)
+    wall = time.perf_counter() - start
+    text = "\n".join(
+        [table, "", budget + ".", *(["", "Peer errors:", *(f"- {e}" for e in errs)] if errs else [])]
+    )
+    print(f"\n{text}\n\nTotal wall time {wall / 60:.1f} min.")
+    if args.md:
+        Path(args.md).write_text(text + "\n")
+    if args.json:
+        meta = {
+            "command": " ".join(["benchmarks/peers.py", *(sys.argv[1:] if argv is None else argv)]),
+            "date": time.strftime("%Y-%m-%d"),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "wall_seconds": round(wall, 1),
+            "budget": budget,
+            "errors": errs,
+            "merged": [run["meta"] for run in runs] if args.merge else None,
+        }
+        Path(args.json).write_text(json.dumps({"meta": meta, "models": results}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""The pure parts of ``benchmarks/peers.py``: the data a peer's worker reads, and the recovery of its rows."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import accuracy
+import peers
+
+
+def test_export_data_round_trip(tmp_path: Path) -> None:
+    """The worker rebuilds exactly the windows our rows use: training windows (same length, so the same
+    shuffled order), calibration batches and evaluation windows."""
+    g = torch.Generator().manual_seed(0)
+    train_set = accuracy.TokenWindows(torch.randint(0, 100, (1000,), generator=g), 16)
+    calib = list(torch.randint(0, 100, (6, 32), generator=g).split(accuracy.CALIB_BATCH))
+    evals = {s: torch.randint(0, 100, (3, 32), generator=g) for s in ("validation", "test")}
+    path = str(tmp_path / "data.safetensors")
+    peers.export_data(path, evals, calib, train_set)
+
+    data = load_file(path)
+    rebuilt = accuracy.TokenWindows(data["train"].reshape(-1), data["train"].shape[1])  # as the worker does
+    assert len(rebuilt) == len(train_set) == 62
+    assert torch.equal(rebuilt.ids, train_set.ids)
+    assert all(
+        torch.equal(a, b) for a, b in zip(data["calib"].split(accuracy.CALIB_BATCH), calib, strict=True)
+    )
+    assert all(torch.equal(data[s], evals[s]) for s in evals)
+
+
+def _row(library: str, method: str, fmt: str, ppl: float, kl: float = 0.0) -> dict:
+    return {"library": library, "method": method, "format": fmt, "val_ppl": ppl, "test_ppl": ppl, "kl": kl}
+
+
+def test_recovery_against_own_ptq_row() -> None:
+    """QAT is measured against ``ft``, QAD against the unquantized model, each from its own library's PTQ
+    row of the same format."""
+    base, ft = _row("ours", "baseline", "", 100.0), _row("ours", "ft", "", 98.0)
+    rows = [
+        base,
+        ft,
+        _row("ours", "ptq", "int4", 104.0, kl=0.01),
+        _row("ours", "qat", "int4", 100.0, kl=0.02),
+        _row("ours", "qad", "int4", 101.0, kl=0.004),
+        _row("torchao", "ptq", "int4", 102.0, kl=0.01),
+        _row("torchao", "qat", "int4", 101.0, kl=0.01),
+        _row("torchao", "qat", "fp8", 101.0),  # no PTQ row of its own: no recovery
+    ]
+    peers.with_recovery(rows, base, ft)
+    assert rows[3]["test_recovery"] == pytest.approx(4 / 6)  # (104 - 100) / (104 - 98)
+    assert rows[4]["val_recovery"] == pytest.approx(3 / 4)  # (104 - 101) / (104 - 100)
+    assert rows[4]["kl_recovery"] == pytest.approx(0.6)
+    assert rows[6]["test_recovery"] == pytest.approx(1 / 4)  # (102 - 101) / (102 - 98)
+    assert "test_recovery" not in rows[7]

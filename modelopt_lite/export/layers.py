@@ -76,6 +76,8 @@ class ExportLayer:
 
 def _kind(q: TensorQuantizer) -> str:
     spec = q.spec
+    if spec.dynamic and not spec.block_axes:  # dynamic per tensor / per axis: no deployable format
+        return "other"
     if spec.kind == "fp8" and spec.num_bits == (4, 3):
         if not spec.block_axes:
             return {None: "fp8", 0: "fp8_per_channel"}.get(spec.axis, "other")  # type: ignore[arg-type]

@@ -104,6 +104,8 @@ def fake_quant_reference(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor |
     if spec.kind == "int":
         check_unsigned(x, spec.unsigned)
     if not spec.block_axes:
+        if spec.dynamic and amax is None:
+            amax = reduce_amax(x, spec)
         if amax is None:
             raise ValueError(f"{spec.name} {spec.granularity} needs a calibrated amax")
         rows = _rows(x, spec, amax)
@@ -129,6 +131,8 @@ def fake_quant_reference(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor |
 
 def dispatch_fake_quant(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None) -> torch.Tensor:
     """Fake quant without autograd: the Triton kernel on CUDA where it applies, else the reference."""
+    if spec.dynamic and not spec.block_axes and spec.kind in ("int", "fp8"):
+        amax = reduce_amax(x, spec)  # dynamic per tensor / per axis: this input's own amax
     if x.is_cuda:
         from . import triton_kernels
 

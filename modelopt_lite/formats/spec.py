@@ -9,6 +9,8 @@ format                 num_bits / block_sizes                          amax
 INT-k                  ``k`` in 2..8; no blocks, ``axis`` None or int    calibrated, per tensor / per channel
 INT-k per block        ``k``; ``{-1: 128}`` (``type`` static)            calibrated, ``(num_blocks, 1)``
 INT-k / FP8 dynamic    ``{-1: None, "type": "dynamic"}`` (per token)     from the input, per block
+INT-k / FP8 dynamic    ``type="dynamic"``, ``axis`` None or int / tuple   from the input, per tensor / per
+                       (no blocks)                                      ``axis`` (reduced over the others)
 FP8                    ``(4, 3)`` E4M3, ``(5, 2)`` E5M2; 1-D / 2-D blocks  like INT
 NVFP4                  ``(2, 1)``; ``{-1: 16, "type": "dynamic",          calibrated global amax (per tensor)
                        "scale_bits": (4, 3)}``
@@ -92,9 +94,10 @@ class FormatSpec:
                 return f"per-token(axis={self.block_axes[0][0]}) dynamic"
             blocks = ",".join(f"{a}:{s}" for a, s in self.block_axes)
             return f"per-block({blocks}) {'dynamic' if self.dynamic else 'static'}"
+        suffix = " dynamic" if self.dynamic else ""
         if self.axis is None:
-            return "per-tensor"
-        return f"per-channel(axis={self.axis})"
+            return f"per-tensor{suffix}"
+        return f"per-channel(axis={self.axis}){suffix}"
 
 
 def _check_block_sizes(block_sizes: Mapping[Any, Any]) -> tuple[dict[int, int | None], dict]:
@@ -129,8 +132,14 @@ def resolve_format(
     block_sizes: Mapping[Any, Any] | None = None,
     unsigned: bool = False,
     narrow_range: bool = False,
+    quant_type: str = "static",
 ) -> FormatSpec:
-    """Validate quantizer attributes and return the :class:`FormatSpec` they describe."""
+    """Validate quantizer attributes and return the :class:`FormatSpec` they describe.
+    ``quant_type="dynamic"`` (the attribute ``type``) takes the amax from each input: per tensor, per
+    ``axis`` (reduced over the other axes, as a static amax is) or per block (``block_sizes``, whose own
+    ``"type"`` key wins when given)."""
+    if quant_type not in ("static", "dynamic"):
+        raise ValueError(f"type={quant_type!r} (allowed: 'static', 'dynamic')")
     bits = _as_bits(num_bits)
     if axis is not None and block_sizes:
         raise ValueError(
@@ -142,18 +151,19 @@ def resolve_format(
             raise ValueError(f"axis={axis!r} must be None, an int or a tuple of ints")
         axis = tuple(axis)
     if not block_sizes:
+        dynamic = quant_type == "dynamic"
         if isinstance(bits, int):
             validate_int_bits(bits)
-            return FormatSpec("int", bits, axis, unsigned=unsigned, narrow_range=narrow_range)
+            return FormatSpec("int", bits, axis, (), dynamic, unsigned=unsigned, narrow_range=narrow_range)
         if bits in FP8_FORMATS:
             _reject_int_flags(unsigned, narrow_range, bits)
-            return FormatSpec("fp8", bits, axis)
+            return FormatSpec("fp8", bits, axis, (), dynamic)
         raise ValueError(
             f"num_bits={num_bits!r} without block_sizes: allowed 2..8 (INT), (4, 3) or (5, 2) (FP8); "
             "NVFP4 and MX formats need block_sizes with scale_bits"
         )
     axes, meta = _check_block_sizes(block_sizes)
-    dynamic = meta.get("type", "static") == "dynamic"
+    dynamic = meta.get("type", quant_type) == "dynamic"
     scale_bits = meta.get("scale_bits")
     scale_bits = tuple(scale_bits) if isinstance(scale_bits, (list, tuple)) else scale_bits
     block_axes = tuple(sorted(axes.items()))

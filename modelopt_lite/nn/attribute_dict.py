@@ -95,8 +95,6 @@ def quantizer_attributes(
         if kind == "dynamic":
             blocks.setdefault("type", "dynamic")
         out["block_sizes"] = blocks
-    elif kind == "dynamic":
-        raise ValueError(f"{where}: type='dynamic' needs block_sizes (e.g. {{-1: None}} for per token)")
     if "pass_through_bwd" in cfg:
         if not isinstance(cfg["pass_through_bwd"], bool):
             raise TypeError(f"{where}: pass_through_bwd must be True or False")

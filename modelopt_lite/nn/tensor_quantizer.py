@@ -44,9 +44,12 @@ class QuantizerAttributes:
     calibrator: str = "max"
     calibrator_options: dict[str, Any] = field(default_factory=dict)
     learn_amax: bool = False
+    type: Literal["static", "dynamic"] = "static"  # dynamic: amax taken from each input (axis / blocks)
 
     def spec(self) -> FormatSpec:
-        spec = resolve_format(self.num_bits, self.axis, self.block_sizes, self.unsigned, self.narrow_range)
+        spec = resolve_format(
+            self.num_bits, self.axis, self.block_sizes, self.unsigned, self.narrow_range, self.type
+        )
         if self.learn_amax is not False:
             if self.learn_amax is not True:
                 raise ValueError(f"learn_amax={self.learn_amax!r} must be True or False")

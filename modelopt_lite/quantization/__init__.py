@@ -3,13 +3,56 @@
     model = mtq.quantize(model, mtq.NVFP4_DEFAULT_CFG, forward_loop)
     mtq.print_quant_summary(model)
 
-Presets are plain dicts under the reference library's names; recipes are YAML files loaded by name.
+Presets are plain dicts under the reference library's names; recipes are YAML files loaded by name. The
+reference's other public names are here too (:mod:`.compat`, :mod:`.config_models`, ``mtq.nn``,
+``mtq.tensor_quant``); those for features this library leaves out raise :class:`UnsupportedFeatureError`
+(a ``NotImplementedError``) naming what to use.
 """
 
 from ..nn import QUANT_MODULES, QuantModule, SequentialQuantizer, TensorQuantizer, iter_quantizers
-from . import awq, gptq, mse, smoothquant  # noqa: F401  (algorithms register at definition time)
+
+# algorithms register at definition time; nn and tensor_quant are the reference's mtq.nn / mtq.tensor_quant
+from . import awq, gptq, mse, nn, smoothquant, tensor_quant  # noqa: F401
 from .calibrate import calibrate, check_calibrated, register_algorithm, run_forward_loop
-from .config import QuantizeConfig, QuantRule, quantizer_attributes
+from .compat import (
+    auto_quantize,
+    compress,
+    compute_quantization_mse,
+    find_quant_cfg_entry_by_path,
+    get_auto_quantize_config,
+    normalize_quant_cfg_list,
+    postprocess_amax,
+    preserve_quantizer_attributes_context,
+    register_attention_for_kv_quant,
+    register_quant_backend,
+    replace_quant_module,
+    set_quantizer_attribute,
+    set_quantizer_attributes_full,
+    set_quantizer_attributes_partial,
+    set_quantizer_by_cfg_context,
+    temporarily_fold_weights,
+    update_quant_cfg_with_kv_cache_quant,
+)
+from .config import QuantizeConfig, QuantRule, UnsupportedFeatureError, quantizer_attributes
+from .config_models import (
+    AWQClipCalibConfig,
+    AWQFullCalibConfig,
+    AWQLiteCalibConfig,
+    CompressConfig,
+    GPTQCalibConfig,
+    LayerwiseConfig,
+    LocalHessianCalibConfig,
+    LSQConfig,
+    MaxCalibConfig,
+    MseCalibConfig,
+    NVFP4ActHeadroomCalibConfig,
+    QuantizeAlgorithmConfig,
+    QuantizerAttributeConfig,
+    QuantizerCfgEntry,
+    RotateConfig,
+    SmoothQuantCalibConfig,
+    SVDQuantConfig,
+)
 from .insertion import insert_quantizers
 from .model_quant import (
     disable_quantizer,
@@ -23,80 +66,91 @@ from .model_quant import (
     resolve_config,
     set_quantizer_by_cfg,
 )
-from .presets import KV_PRESETS, PRESETS, get_preset, with_kv_cache
+from .presets import EXTRA_PRESETS, KV_PRESETS, PRESETS, get_preset, preset_names, with_kv_cache
 from .recipes import Recipe, list_recipes, load_recipe
 from .rotation import rotate_residual
 
 register = QUANT_MODULES.register
 unregister = QUANT_MODULES.unregister
+QuantModuleRegistry = QUANT_MODULES  # the reference's name for the registry object
 
-FP8_DEFAULT_CFG = PRESETS["FP8_DEFAULT_CFG"]
-FP8_PER_CHANNEL_PER_TOKEN_CFG = PRESETS["FP8_PER_CHANNEL_PER_TOKEN_CFG"]
-INT8_DEFAULT_CFG = PRESETS["INT8_DEFAULT_CFG"]
-INT8_SMOOTHQUANT_CFG = PRESETS["INT8_SMOOTHQUANT_CFG"]
-INT8_WEIGHT_ONLY_CFG = PRESETS["INT8_WEIGHT_ONLY_CFG"]
-INT4_BLOCKWISE_WEIGHT_ONLY_CFG = PRESETS["INT4_BLOCKWISE_WEIGHT_ONLY_CFG"]
-INT4_AWQ_CFG = PRESETS["INT4_AWQ_CFG"]
-W4A8_AWQ_BETA_CFG = PRESETS["W4A8_AWQ_BETA_CFG"]
-NVFP4_DEFAULT_CFG = PRESETS["NVFP4_DEFAULT_CFG"]
-NVFP4_AWQ_LITE_CFG = PRESETS["NVFP4_AWQ_LITE_CFG"]
-W4A16_NVFP4_CFG = PRESETS["W4A16_NVFP4_CFG"]
-MXFP8_DEFAULT_CFG = PRESETS["MXFP8_DEFAULT_CFG"]
-MXFP6_DEFAULT_CFG = PRESETS["MXFP6_DEFAULT_CFG"]
-MXFP4_DEFAULT_CFG = PRESETS["MXFP4_DEFAULT_CFG"]
-MXINT8_DEFAULT_CFG = PRESETS["MXINT8_DEFAULT_CFG"]
-FP8_KV_CFG = KV_PRESETS["FP8_KV_CFG"]
-NVFP4_KV_CFG = KV_PRESETS["NVFP4_KV_CFG"]
+# Every preset as a module constant under the reference's name (mtq.NVFP4_DEFAULT_CFG, mtq.FP8_KV_CFG, ...).
+_PRESET_CONSTANTS = {**PRESETS, **EXTRA_PRESETS, **KV_PRESETS}
+globals().update(_PRESET_CONSTANTS)
 
 __all__ = [
-    "FP8_DEFAULT_CFG",
-    "FP8_KV_CFG",
-    "FP8_PER_CHANNEL_PER_TOKEN_CFG",
-    "INT4_AWQ_CFG",
-    "INT4_BLOCKWISE_WEIGHT_ONLY_CFG",
-    "INT8_DEFAULT_CFG",
-    "INT8_SMOOTHQUANT_CFG",
-    "INT8_WEIGHT_ONLY_CFG",
+    *sorted(_PRESET_CONSTANTS),
+    "EXTRA_PRESETS",
     "KV_PRESETS",
-    "MXFP4_DEFAULT_CFG",
-    "MXFP6_DEFAULT_CFG",
-    "MXFP8_DEFAULT_CFG",
-    "MXINT8_DEFAULT_CFG",
-    "NVFP4_AWQ_LITE_CFG",
-    "NVFP4_DEFAULT_CFG",
-    "NVFP4_KV_CFG",
     "PRESETS",
     "QUANT_MODULES",
-    "W4A8_AWQ_BETA_CFG",
-    "W4A16_NVFP4_CFG",
+    "AWQClipCalibConfig",
+    "AWQFullCalibConfig",
+    "AWQLiteCalibConfig",
+    "CompressConfig",
+    "GPTQCalibConfig",
+    "LSQConfig",
+    "LayerwiseConfig",
+    "LocalHessianCalibConfig",
+    "MaxCalibConfig",
+    "MseCalibConfig",
+    "NVFP4ActHeadroomCalibConfig",
     "QuantModule",
+    "QuantModuleRegistry",
     "QuantRule",
+    "QuantizeAlgorithmConfig",
     "QuantizeConfig",
+    "QuantizerAttributeConfig",
+    "QuantizerCfgEntry",
     "Recipe",
+    "RotateConfig",
+    "SVDQuantConfig",
     "SequentialQuantizer",
+    "SmoothQuantCalibConfig",
     "TensorQuantizer",
+    "UnsupportedFeatureError",
+    "auto_quantize",
     "calibrate",
     "check_calibrated",
+    "compress",
+    "compute_quantization_mse",
     "disable_quantizer",
     "enable_quantizer",
     "explain",
+    "find_quant_cfg_entry_by_path",
     "fold_weight",
+    "get_auto_quantize_config",
     "get_preset",
     "insert_quantizers",
     "iter_quantizers",
     "list_recipes",
     "load_recipe",
     "need_calibration",
+    "nn",
+    "normalize_quant_cfg_list",
+    "postprocess_amax",
+    "preserve_quantizer_attributes_context",
+    "preset_names",
     "print_quant_summary",
     "quant_state",
     "quantize",
     "quantizer_attributes",
     "register",
     "register_algorithm",
+    "register_attention_for_kv_quant",
+    "register_quant_backend",
+    "replace_quant_module",
     "resolve_config",
     "rotate_residual",
     "run_forward_loop",
+    "set_quantizer_attribute",
+    "set_quantizer_attributes_full",
+    "set_quantizer_attributes_partial",
     "set_quantizer_by_cfg",
+    "set_quantizer_by_cfg_context",
+    "temporarily_fold_weights",
+    "tensor_quant",
     "unregister",
+    "update_quant_cfg_with_kv_cache_quant",
     "with_kv_cache",
 ]

@@ -1,0 +1,210 @@
+"""The reference's functional fake-quant functions (``mtq.tensor_quant``), on :mod:`modelopt_lite.formats`.
+
+* :func:`fake_tensor_quant` ``(inputs, amax, bias=None, num_bits=8, unsigned=False, narrow_range=True, ...)``:
+  integer fake quant with ``amax`` broadcast against ``inputs``; the backward passes the gradient where
+  ``|x| <= amax`` (everywhere with ``pass_through_bwd=True``).
+* :func:`scaled_e4m3` ``(inputs, amax, bias=None, E=4, M=3, ...)``: FP8 fake quant (``amax=None``: no
+  scaling), same backward.
+* :func:`dynamic_block_quant` ``(inputs, block_size, amax, bias, num_bits, scale_bits, ...)``: NVFP4 / MX
+  blocks with scales taken from each block (``amax``: NVFP4's global amax).
+* :func:`int_cast_ste`, :func:`fp4_cast_ste`: rounding to the integer / E2M1 grid with a clipped
+  straight-through backward; :func:`fake_quant_impl`, :func:`scaled_e4m3_impl`, :func:`fp8_eager`: the
+  forward computations without autograd.
+
+The ONNX-only arguments (``trt_high_precision_dtype``, ``block_size`` / ``axis`` of ``fake_tensor_quant``,
+``onnx_quantizer_type``) are accepted and change nothing. A ``bias`` (affine quantization) and the static
+NVFP4 block kernel raise :class:`~.config.UnsupportedFeatureError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..formats import e2m1_round, fake_quant, fp8_fake_quant, int_bounds, int_fake_quant, resolve_format
+from ..nn.errors import UnsupportedFeatureError
+from .config_models import QuantizerAttributeConfig
+
+__all__ = [
+    "E4M3_MAX",
+    "QUANT_DESC_8BIT_CONV1D_WEIGHT_PER_CHANNEL",
+    "QUANT_DESC_8BIT_CONV2D_WEIGHT_PER_CHANNEL",
+    "QUANT_DESC_8BIT_CONV3D_WEIGHT_PER_CHANNEL",
+    "QUANT_DESC_8BIT_CONVTRANSPOSE1D_WEIGHT_PER_CHANNEL",
+    "QUANT_DESC_8BIT_CONVTRANSPOSE2D_WEIGHT_PER_CHANNEL",
+    "QUANT_DESC_8BIT_CONVTRANSPOSE3D_WEIGHT_PER_CHANNEL",
+    "QUANT_DESC_8BIT_LINEAR_WEIGHT_PER_ROW",
+    "QUANT_DESC_8BIT_PER_TENSOR",
+    "QUANT_DESC_UNSIGNED_8BIT_PER_TENSOR",
+    "QuantizerAttributeConfig",
+    "dynamic_block_quant",
+    "fake_quant_impl",
+    "fake_tensor_quant",
+    "fp4_cast_ste",
+    "fp8_eager",
+    "int_cast_ste",
+    "mx_format_map",
+    "scaled_e4m3",
+    "scaled_e4m3_impl",
+    "static_blockwise_fp4_fake_quant",
+]
+
+E4M3_MAX = 448.0
+QUANT_DESC_8BIT_PER_TENSOR = QuantizerAttributeConfig(num_bits=8)
+QUANT_DESC_UNSIGNED_8BIT_PER_TENSOR = QuantizerAttributeConfig(num_bits=8, unsigned=True)
+QUANT_DESC_8BIT_LINEAR_WEIGHT_PER_ROW = QuantizerAttributeConfig(num_bits=8, axis=0)
+QUANT_DESC_8BIT_CONV1D_WEIGHT_PER_CHANNEL = QUANT_DESC_8BIT_LINEAR_WEIGHT_PER_ROW
+QUANT_DESC_8BIT_CONV2D_WEIGHT_PER_CHANNEL = QUANT_DESC_8BIT_LINEAR_WEIGHT_PER_ROW
+QUANT_DESC_8BIT_CONV3D_WEIGHT_PER_CHANNEL = QUANT_DESC_8BIT_LINEAR_WEIGHT_PER_ROW
+QUANT_DESC_8BIT_CONVTRANSPOSE1D_WEIGHT_PER_CHANNEL = QUANT_DESC_8BIT_LINEAR_WEIGHT_PER_ROW
+QUANT_DESC_8BIT_CONVTRANSPOSE2D_WEIGHT_PER_CHANNEL = QUANT_DESC_8BIT_LINEAR_WEIGHT_PER_ROW
+QUANT_DESC_8BIT_CONVTRANSPOSE3D_WEIGHT_PER_CHANNEL = QUANT_DESC_8BIT_LINEAR_WEIGHT_PER_ROW
+#: ``num_bits`` -> format name, as in the reference.
+mx_format_map: dict[Any, str] = {
+    (4, 3): "E4M3", (5, 2): "E5M2", (3, 2): "E3M2", (2, 3): "E2M3", 8: "INT8", (8, 0): "E8M0", (2, 1): "E2M1",
+    (1, 2): "E1M2", (0, 3): "E0M3", (3, 0): "E3M0",
+}  # fmt: skip
+
+
+class _ClippedSTE(torch.autograd.Function):
+    """``forward(x) = fn(x)``; ``backward`` passes the gradient where ``|x| <= bound`` (everywhere when
+    ``bound`` is ``None``). No gradient for the amax."""
+
+    @staticmethod
+    def forward(ctx, x, fn, bound):  # type: ignore[override]
+        ctx.clip = bound is not None
+        if ctx.clip:
+            ctx.save_for_backward(x, torch.as_tensor(bound, dtype=torch.float32, device=x.device))
+        return fn(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        if not ctx.clip:
+            return grad, None, None
+        x, bound = ctx.saved_tensors
+        return grad * (x.abs() <= bound.to(x.dtype)), None, None
+
+
+def _ste(x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor], bound: Any) -> torch.Tensor:
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _ClippedSTE.apply(x, fn, bound)
+    return fn(x)
+
+
+def _no_bias(bias: Any, name: str) -> None:
+    if bias is not None:
+        raise UnsupportedFeatureError(
+            f"{name}(bias=...): affine quantization is not implemented; pass bias=None"
+        )
+
+
+def fake_quant_impl(
+    inputs: torch.Tensor,
+    amax: torch.Tensor,
+    num_bits: int = 8,
+    unsigned: bool = False,
+    narrow_range: bool = True,
+) -> torch.Tensor:
+    """Integer fake quant of ``inputs`` scaled by ``amax`` (broadcast), no autograd wrapper."""
+    return int_fake_quant(inputs, torch.as_tensor(amax), num_bits, unsigned, narrow_range)
+
+
+def fake_tensor_quant(
+    inputs: torch.Tensor,
+    amax: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    num_bits: int = 8,
+    unsigned: bool = False,
+    narrow_range: bool = True,
+    trt_high_precision_dtype: str | None = None,
+    pass_through_bwd: bool = False,
+    block_size: int | None = None,
+    axis: int | None = None,
+) -> torch.Tensor:
+    """Integer fake quant with a straight-through backward (clipped at ``amax`` unless
+    ``pass_through_bwd``)."""
+    _no_bias(bias, "fake_tensor_quant")
+    amax = torch.as_tensor(amax)
+    return _ste(
+        inputs,
+        lambda x: fake_quant_impl(x, amax, num_bits, unsigned, narrow_range),
+        None if pass_through_bwd else amax,
+    )
+
+
+def scaled_e4m3_impl(inputs: torch.Tensor, amax: torch.Tensor | None = None) -> torch.Tensor:
+    """E4M3 fake quant: scale so that ``amax`` maps to 448 (no scaling when ``amax`` is ``None``)."""
+    return fp8_fake_quant(inputs, torch.as_tensor(E4M3_MAX if amax is None else amax), (4, 3))
+
+
+def fp8_eager(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """E4M3 fake quant of ``x`` scaled by ``amax``."""
+    return scaled_e4m3_impl(x, amax)
+
+
+def scaled_e4m3(
+    inputs: torch.Tensor,
+    amax: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    E: int = 4,  # (the reference's argument names)
+    M: int = 3,
+    trt_high_precision_dtype: str | None = None,
+    pass_through_bwd: bool = False,
+) -> torch.Tensor:
+    """FP8 (``E``, ``M`` = 4, 3 or 5, 2) fake quant with a straight-through backward (clipped at ``amax``
+    unless ``pass_through_bwd`` or no ``amax``)."""
+    _no_bias(bias, "scaled_e4m3")
+    bits = (E, M)
+    if bits == (4, 3) and amax is None:
+        return _ste(inputs, scaled_e4m3_impl, None)
+    scale = torch.as_tensor(amax) if amax is not None else None
+    if scale is None:
+        raise ValueError(f"scaled_e4m3: E={E}, M={M} needs an amax")
+    return _ste(inputs, lambda x: fp8_fake_quant(x, scale, bits), None if pass_through_bwd else scale)
+
+
+def dynamic_block_quant(
+    inputs: torch.Tensor,
+    block_size: int,
+    amax: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    num_bits: Any,
+    scale_bits: Any,
+    trt_high_precision_dtype: str | None = None,
+    onnx_quantizer_type: str = "dynamic",
+    pass_through_bwd: bool = True,
+) -> torch.Tensor:
+    """Dynamic block fake quant along the last dimension (NVFP4: ``num_bits=(2, 1), scale_bits=(4, 3)``
+    with ``amax`` the global amax; MX: ``scale_bits=(8, 0)``); straight-through backward."""
+    _no_bias(bias, "dynamic_block_quant")
+    spec = resolve_format(
+        num_bits, None, {-1: block_size, "type": "dynamic", "scale_bits": scale_bits}, False, False
+    )
+    return fake_quant(inputs, spec, None if amax is None else torch.as_tensor(amax))
+
+
+def int_cast_ste(
+    x: torch.Tensor, num_bits: int, unsigned: bool = False, narrow_range: bool = True
+) -> torch.Tensor:
+    """``clamp(round(x))`` to the integer grid (no scaling); the gradient passes inside the grid's range."""
+    low, high = int_bounds(num_bits, unsigned, narrow_range)
+    out = x.detach().round().clamp(low, high)
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        return out
+    return out + (x - x.detach()) * ((x >= low) & (x <= high)).to(x.dtype)
+
+
+def fp4_cast_ste(x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Round to the E2M1 grid (no scaling); the gradient passes where ``|x| <= 6``."""
+    out = _ste(x, lambda v: e2m1_round(v.float()).to(v.dtype), 6.0)
+    return out if out_dtype is None else out.to(out_dtype)
+
+
+def static_blockwise_fp4_fake_quant(*args: Any, **kwargs: Any) -> torch.Tensor:
+    """The reference's static NVFP4 block kernel: not implemented (block scales are dynamic here)."""
+    raise UnsupportedFeatureError(
+        "static_blockwise_fp4_fake_quant: static NVFP4 block scales are not implemented; use "
+        "dynamic_block_quant(x, 16, global_amax, None, (2, 1), (4, 3))"
+    )

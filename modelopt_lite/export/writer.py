@@ -39,6 +39,7 @@ from ..distributed import (
 )
 from ..logging import get_logger
 from ..nn import iter_quantizers
+from ..nn.errors import UnsupportedFeatureError
 from .hf_config import hf_quant_config, quantization_config
 from .layers import ExportLayer, ExportModule, export_plan, foldable_norms, kv_layers, unify_shared_scales
 from .packers import get_packer, scale_of_amax
@@ -247,16 +248,54 @@ def _move_into_place(tmp: Path, export_dir: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _dir_and_dtype(args: tuple[Any, ...], export_dir: Any, dtype: Any) -> tuple[Path, torch.dtype | None]:
+    """``(export_dir, dtype)`` from positional arguments in our order ``(export_dir, dtype)`` or the
+    reference's ``(dtype, export_dir)`` (a ``torch.dtype`` / ``None`` is the dtype, anything else the
+    directory) and the keywords."""
+    if len(args) > 2:
+        raise TypeError(
+            "export_hf_checkpoint takes at most two positional arguments after the model (export_dir and "
+            "dtype, "
+            "in either order); pass the others by keyword"
+        )
+    if len(args) == 2 and sum(a is None or isinstance(a, torch.dtype) for a in args) != 1:
+        raise TypeError(
+            f"export_hf_checkpoint(model, {args[0]!r}, {args[1]!r}): expected a directory and a torch.dtype "
+            "(or None), in either order"
+        )
+    for value in args:
+        name = "dtype" if value is None or isinstance(value, torch.dtype) else "export_dir"
+        if (dtype if name == "dtype" else export_dir) is not None:
+            raise TypeError(f"export_hf_checkpoint got {name} both positionally and by keyword")
+        dtype, export_dir = (value, export_dir) if name == "dtype" else (dtype, value)
+    if export_dir is None:
+        raise TypeError(
+            "export_hf_checkpoint needs export_dir (the reference's default '/tmp' is not used, as an export "
+            "replaces its directory): export_hf_checkpoint(model, 'out/dir') or (model, dtype, 'out/dir')"
+        )
+    return Path(export_dir), dtype
+
+
 def export_hf_checkpoint(
     model: nn.Module,
-    export_dir: str | os.PathLike[str],
+    *args: str | os.PathLike[str] | torch.dtype | None,
+    export_dir: str | os.PathLike[str] | None = None,
     dtype: torch.dtype | None = None,
     tokenizer: Any = None,
     overwrite: bool = False,
     max_shard_size: int | str = "5GB",
     verify: bool = True,
+    save_modelopt_state: bool = False,
+    components: list[str] | None = None,
+    extra_state_dict: dict[str, torch.Tensor] | None = None,
 ) -> ExportResult:
     """Write the quantized ``model`` to ``export_dir`` as a unified Hugging Face checkpoint.
+
+    Called as ``export_hf_checkpoint(model, export_dir, dtype)`` or in the reference library's order,
+    ``export_hf_checkpoint(model, dtype, export_dir)``: the types decide (a ``torch.dtype`` or ``None`` is the
+    dtype, a path the directory); keywords are unambiguous. The reference's ``save_modelopt_state``,
+    ``components`` and ``extra_state_dict`` raise :class:`~modelopt_lite.nn.errors.UnsupportedFeatureError`
+    unless left at their defaults.
 
     ``dtype`` applies to the tensors stored unquantized (embeddings, norms, ``lm_head``, biases); by default
     they keep the model's dtype. Shards are split at ``max_shard_size`` (with a
@@ -270,7 +309,20 @@ def export_hf_checkpoint(
     not sharded, e.g. under DDP, is exported by whichever process calls this, with no collective: call it
     from one rank.)
     """
-    export_dir = Path(export_dir)
+    export_dir, dtype = _dir_and_dtype(args, export_dir, dtype)
+    unsupported = {
+        "save_modelopt_state": save_modelopt_state,
+        "components": components,
+        "extra_state_dict": extra_state_dict,
+    }
+    for what, value in unsupported.items():
+        if value:
+            raise UnsupportedFeatureError(
+                f"export_hf_checkpoint({what}=...) is not supported: the export holds the model's own "
+                "tensors; "
+                "save the modelopt state with mto.save, or with save_pretrained after "
+                "mto.enable_huggingface_checkpointing(); diffusers components are not exported"
+            )
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype={dtype!r}: expected a floating torch.dtype such as torch.bfloat16, or None")
     max_bytes = parse_size(max_shard_size)

@@ -324,6 +324,16 @@ def foldable_norms(model: nn.Module) -> dict[str, tuple[torch.Tensor, list[str]]
 
 
 def kv_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    query = [
+        n for n, m in model.named_modules() if isinstance(m, QuantAttention) and m.q_bmm_quantizer.is_enabled
+    ]
+    if query:
+        logger.warning(
+            "%d attention module(s) quantize the query (%s, ...): q_bmm_quantizer is fake quant only, the "
+            "checkpoint format has no query scale (engines with FP8 attention compute their own)",
+            len(query),
+            query[0],
+        )
     for name, module in model.named_modules():
         if isinstance(module, QuantAttention) and kv_cache_format(name, module) is not None:
             yield name, module

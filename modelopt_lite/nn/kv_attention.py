@@ -4,7 +4,10 @@ Attention classes of transformers call ``ALL_ATTENTION_FUNCTIONS[config._attn_im
 mask, ...)`` on the keys and values after RoPE, which is what a KV cache stores. We register two attention
 functions under our own names, ``modelopt_lite_sdpa`` and ``modelopt_lite_eager``, each with the mask function
 of the implementation it wraps (transformers' documented seam for custom attention). They apply the
-attention module's ``k_bmm_quantizer`` / ``v_bmm_quantizer`` and call the wrapped implementation unchanged.
+attention module's ``q_bmm_quantizer`` / ``k_bmm_quantizer`` / ``v_bmm_quantizer`` to the query, keys and
+values and call the wrapped implementation unchanged. ``q_bmm_quantizer`` (Model-Optimizer's name, for FP8
+attention) is disabled unless a config enables it; the softmax-probability quantizer (``p_bmm_quantizer``)
+would need an attention implementation of our own and is not provided.
 
 Inserting quantizers switches a model on ``sdpa`` / ``eager`` to the matching name (outputs are identical
 while the KV quantizers are disabled). If the implementation is changed afterwards to one we do not wrap
@@ -53,19 +56,25 @@ def _model_eager_attention(module: nn.Module) -> Callable[..., Any]:
     return fn
 
 
-def _quantize_kv(module: nn.Module, key: torch.Tensor, value: torch.Tensor):
-    kq = getattr(module, "k_bmm_quantizer", None)
-    vq = getattr(module, "v_bmm_quantizer", None)
-    return (key if kq is None else kq(key)), (value if vq is None else vq(value))
+_SLOTS = ("q_bmm_quantizer", "k_bmm_quantizer", "v_bmm_quantizer")
+
+
+def _quantize_qkv(module: nn.Module, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Query, keys and values through the module's quantizers (a module without them: unchanged)."""
+    out = []
+    for slot, t in zip(_SLOTS, tensors, strict=True):
+        q = getattr(module, slot, None)
+        out.append(t if q is None else q(t))
+    return out
 
 
 def _sdpa_with_kv(module, query, key, value, attention_mask, **kwargs):
-    key, value = _quantize_kv(module, key, value)
+    query, key, value = _quantize_qkv(module, query, key, value)
     return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
 
 
 def _eager_with_kv(module, query, key, value, attention_mask, **kwargs):
-    key, value = _quantize_kv(module, key, value)
+    query, key, value = _quantize_qkv(module, query, key, value)
     return _model_eager_attention(module)(module, query, key, value, attention_mask, **kwargs)
 
 
@@ -77,18 +86,21 @@ AttentionMaskInterface.register(KV_ATTENTION_IMPLEMENTATIONS["eager"], eager_mas
 
 
 class QuantAttention(QuantModule):
-    """Adds ``k_bmm_quantizer`` and ``v_bmm_quantizer`` (per tensor by default, like every quantizer)."""
+    """Adds ``k_bmm_quantizer`` and ``v_bmm_quantizer`` (per tensor by default, like every quantizer) and
+    ``q_bmm_quantizer`` (disabled until a config enables it)."""
 
     def _setup(self) -> None:
+        self.q_bmm_quantizer = TensorQuantizer("q_bmm_quantizer")
+        self.q_bmm_quantizer.disable()
         self.k_bmm_quantizer = TensorQuantizer("k_bmm_quantizer")
         self.v_bmm_quantizer = TensorQuantizer("v_bmm_quantizer")
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.k_bmm_quantizer.is_enabled or self.v_bmm_quantizer.is_enabled:
+        if any(getattr(self, slot).is_enabled for slot in _SLOTS):
             impl = getattr(getattr(self, "config", None), "_attn_implementation", None)
             if impl not in KV_ATTENTION_IMPLEMENTATIONS.values():
                 raise RuntimeError(
-                    f"{type(self).__name__}: KV-cache quantizers are enabled but the model's attention "
+                    f"{type(self).__name__}: q / k / v quantizers are enabled but the model's attention "
                     f"implementation is {impl!r}, which would bypass them. Use "
                     f"model.set_attn_implementation({KV_ATTENTION_IMPLEMENTATIONS['sdpa']!r}) (or "
                     f"{KV_ATTENTION_IMPLEMENTATIONS['eager']!r}), or disable the *_bmm_quantizer rules"

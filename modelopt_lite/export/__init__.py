@@ -5,9 +5,22 @@
     model = load_hf_checkpoint("out/llama-nvfp4", dtype=torch.bfloat16)  # dequantized
 
 Packers (format -> tensors) register with :func:`register_packer`; the layer walk recognises formats from
-the quantizers' attributes; post-export verification reads the files back.
+the quantizers' attributes; post-export verification reads the files back. The reference's other export
+paths (TensorRT-LLM, Megatron-Core, vLLM fake quant) exist in :mod:`.compat` and raise, naming this one.
 """
 
+from .compat import (
+    convert_hf_quant_config_format,
+    convert_to_transformer_engine,
+    export_hf_vllm_fq_checkpoint,
+    export_mcore_gpt_to_hf,
+    export_mcore_gpt_to_hf_vllm_fq,
+    export_speculative_decoding,
+    export_tensorrt_llm_checkpoint,
+    has_quant_opt,
+    import_mcore_gpt_from_hf,
+    torch_to_tensorrt_llm_checkpoint,
+)
 from .hf_config import QUANT_METHOD, hf_quant_config, quantization_config
 from .layers import SHARED_INPUT_GROUPS, UnsupportedFormatError, detect_format, unify_shared_scales
 from .loader import ModeloptExportConfig, ModeloptExportQuantizer, load_hf_checkpoint, read_hf_quant_config
@@ -25,16 +38,26 @@ __all__ = [
     "ModeloptExportQuantizer",
     "Packer",
     "UnsupportedFormatError",
+    "convert_hf_quant_config_format",
+    "convert_to_transformer_engine",
     "detect_format",
     "export_hf_checkpoint",
+    "export_hf_vllm_fq_checkpoint",
+    "export_mcore_gpt_to_hf",
+    "export_mcore_gpt_to_hf_vllm_fq",
+    "export_speculative_decoding",
+    "export_tensorrt_llm_checkpoint",
     "get_packer",
+    "has_quant_opt",
     "hf_quant_config",
+    "import_mcore_gpt_from_hf",
     "load_hf_checkpoint",
     "parse_size",
     "quantization_config",
     "read_checkpoint",
     "read_hf_quant_config",
     "register_packer",
+    "torch_to_tensorrt_llm_checkpoint",
     "unify_shared_scales",
     "verify_export",
 ]

@@ -1,5 +1,6 @@
 """Quantizers run when accelerate's hooks replace ``forward`` on the instance (``device_map`` dispatch,
-CPU / disk offload), whether the hooks were added before or after quantization."""
+CPU / disk offload), whether the hooks were added before or after quantization; mtq.quantize, training,
+fold and export on a model with a decoder layer offloaded to disk."""
 
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ import modelopt_lite.quantization as mtq
 from modelopt_lite.export import export_hf_checkpoint
 from modelopt_lite.nn import TensorQuantizer
 from modelopt_lite.quantization.insertion import remove_quantizers
+from modelopt_lite.training import QATTrainer, QuantizationArguments
 
 from ._models import batches, tiny_llama
+from ._training import CountingData, cpu_args, step_losses
 
 CFG = "FP8_DEFAULT_CFG"
 DATA = batches(n=2, batch=2, seq=8)
@@ -172,3 +175,18 @@ def test_calibration_error_names_a_replaced_forward():
     mlp.down_proj.forward = lambda x: x @ mlp.down_proj.weight.t()  # a forward that skips the quantizers
     with pytest.raises(RuntimeError, match=r"(?s)received no data.*down_proj: forward replaced"):
         mtq.quantize(model, CFG, _loop)
+
+
+def test_qat_trainer_on_a_model_with_a_disk_layer(saved, tmp_path):
+    model = _offloaded(saved, tmp_path)
+    trainer = QATTrainer(
+        model=model,
+        args=cpu_args(tmp_path / "out"),
+        train_dataset=CountingData(),
+        quant_args=QuantizationArguments(recipe=CFG, calib_size=8),
+    )
+    trainer.train()
+    assert len(step_losses(trainer)) == 4
+    assert model.model.layers[1].mlp.down_proj.input_quantizer.amax is not None
+    enabled, ran = _quantizers_that_ran(model, DATA[0])
+    assert ran >= enabled

@@ -12,6 +12,7 @@ from .comm import (
     rank,
     world_size,
 )
+from .offload import has_offloaded_weights
 from .window import is_sharded, shard_frozen, unsharded_class, weight_access
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "broadcast_json",
     "broadcast_tensors",
     "check_same_on_all_ranks",
+    "has_offloaded_weights",
     "is_distributed",
     "is_sharded",
     "rank",

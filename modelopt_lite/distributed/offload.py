@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["offload_hook", "offloaded_weights"]
+__all__ = ["has_offloaded_weights", "offload_hook", "offloaded_weights"]
 
 
 def offload_hook(module: nn.Module) -> Any | None:
@@ -37,6 +37,7 @@ def offloaded_weights(module: nn.Module, writeback: bool = False) -> Iterator[No
             hook = offload_hook(owner)
             if hook is not None and any(p.is_meta for p in owner.parameters(recurse=hook.place_submodules)):
                 hook.pre_forward(owner)
+                hook.offload = False  # a forward inside the window keeps these weights (no reload / offload)
                 opened.append((owner, hook))
         yield
         if writeback:
@@ -44,7 +45,13 @@ def offloaded_weights(module: nn.Module, writeback: bool = False) -> Iterator[No
                 _store(owner, hook)
     finally:
         for owner, hook in reversed(opened):
+            hook.offload = True
             hook.post_forward(owner, None)
+
+
+def has_offloaded_weights(model: nn.Module) -> bool:
+    """Whether accelerate offloads any of ``model``'s weights to CPU / disk."""
+    return any(offload_hook(m) is not None for m in model.modules())
 
 
 def _store(owner: nn.Module, hook: Any) -> None:

@@ -24,6 +24,7 @@ from ..distributed import (
     all_ranks_succeed,
     broadcast_tensors,
     check_same_on_all_ranks,
+    has_offloaded_weights,
     is_distributed,
     is_sharded,
     weight_access,
@@ -122,6 +123,13 @@ def calibrate(
                 f"algorithm {algorithm!r} on an FSDP2-sharded model: quantize before fully_shard (the search "
                 "algorithms change whole weights); max calibration works on sharded models"
             )
+    if algorithm not in ("max", "mse") and has_offloaded_weights(model):
+        raise NotImplementedError(
+            f"algorithm {algorithm!r} reads and changes weights outside the forward pass, and accelerate "
+            "offloads some of this model's weights to CPU / disk (device_map with 'cpu' / 'disk' entries, "
+            "offload_folder): load the model without offloading for this algorithm, or use 'max' or 'mse' "
+            "(they support offloaded weights)"
+        )
     _ALGORITHMS[algorithm](model, forward_loop, **options)
     if is_distributed() and algorithm != "max":
         # Search algorithms ran on each rank's data: make rank 0's result everyone's (weights they changed

@@ -190,3 +190,19 @@ def test_qat_trainer_on_a_model_with_a_disk_layer(saved, tmp_path):
     assert model.model.layers[1].mlp.down_proj.input_quantizer.amax is not None
     enabled, ran = _quantizers_that_ran(model, DATA[0])
     assert ran >= enabled
+
+
+@pytest.mark.parametrize("cfg", ["INT4_AWQ_CFG", "INT8_SMOOTHQUANT_CFG"])
+def test_search_algorithms_refuse_offloaded_weights_and_leave_the_model_as_it_was(saved, tmp_path, cfg):
+    model = _offloaded(saved, tmp_path)
+    with pytest.raises(NotImplementedError, match="load the model without offloading"):
+        mtq.quantize(model, cfg, _loop)
+    assert not any(True for _ in mtq.iter_quantizers(model))
+
+
+def test_mse_calibrates_offloaded_weights_like_the_plain_model(saved, tmp_path):
+    cfg = {**mtq.get_preset("INT8_DEFAULT_CFG"), "algorithm": "mse"}
+    model = mtq.quantize(_offloaded(saved, tmp_path), cfg, _loop)
+    plain = mtq.quantize(_plain(saved), cfg, _loop)
+    with torch.no_grad():
+        assert torch.equal(model(DATA[1]).logits, plain(DATA[1]).logits)

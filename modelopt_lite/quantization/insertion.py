@@ -45,12 +45,15 @@ def insert_quantizers(model: nn.Module, experts_implementation: str | None = Non
     ``grouped_mm`` path unless ``experts_implementation`` (or the model's own choice) is ``"eager"``."""
     converted: list[str] = []
     shadowed: dict[str, str] = {}
+    replaced: dict[str, str] = {}  # a forward on the instance that does not run the quantized class forward
     for name, module in list(model.named_modules()):
         if isinstance(module, (TensorQuantizer, SequentialQuantizer, QuantModule)):
             continue
         if type(module) in QUANT_MODULES:
             QUANT_MODULES.convert(module)
             converted.append(name)
+            if (what := replaced_forward(module)) is not None:
+                replaced[name] = f"forward replaced by {what}"
         elif (base := QUANT_MODULES.shadowed_subclasses(type(module))) is not None and not _excluded(name):
             shadowed[name] = f"{type(module).__qualname__} (overrides {base.__name__}.forward)"
     unwrapped_experts = [
@@ -65,25 +68,18 @@ def insert_quantizers(model: nn.Module, experts_implementation: str | None = Non
             "Supported: classes using transformers' @use_experts_implementation; register a wrapper with "
             "mtq.register"
         )
-    replaced = {
-        name: what
-        for name in converted
-        if (what := replaced_forward(model.get_submodule(name) if name else model)) is not None
-    }
-    if replaced:
-        logger.warning(
-            "%d quantized module(s) have a forward replaced on the instance that does not run their class "
-            "forward, so their quantizers may never run (quantize before replacing forward): %s",
-            len(replaced),
-            ", ".join(f"{k} ({v})" for k, v in list(replaced.items())[:8]),
-        )
-    if shadowed:
-        logger.warning(
-            "%d module(s) subclass a quantizable class but override its forward and stay unquantized; "
-            "register a wrapper with mtq.register to quantize them: %s",
-            len(shadowed),
-            ", ".join(f"{k}: {v}" for k, v in list(shadowed.items())[:8]),
-        )
+    for found, problem in (
+        (replaced, "have a forward on the instance that skips their quantizers (quantize before setting it)"),
+        (shadowed, "subclass a quantizable class but override its forward and stay unquantized; register a "
+                   "wrapper with mtq.register to quantize them"),
+    ):  # fmt: skip
+        if found:
+            logger.warning(
+                "%d module(s) %s: %s",
+                len(found),
+                problem,
+                ", ".join(f"{k}: {v}" for k, v in list(found.items())[:8]),
+            )
     if not converted and not any(True for _ in iter_quantizers(model)):
         raise ValueError(
             f"{type(model).__name__} has no module that modelopt_lite can quantize (nn.Linear, Conv1D, "

@@ -169,12 +169,14 @@ def test_revert_rebinds_a_hooked_forward_to_the_original_class(saved, tmp_path):
         assert torch.equal(model(DATA[1]).logits, _plain(saved)(DATA[1]).logits)
 
 
-def test_calibration_error_names_a_replaced_forward():
+def test_calibration_error_names_a_replaced_forward(lib_caplog):
     model = tiny_llama()
     mlp = model.model.layers[0].mlp
     mlp.down_proj.forward = lambda x: x @ mlp.down_proj.weight.t()  # a forward that skips the quantizers
     with pytest.raises(RuntimeError, match=r"(?s)received no data.*down_proj: forward replaced"):
         mtq.quantize(model, CFG, _loop)
+    warnings = [r.getMessage() for r in lib_caplog.records if r.levelname == "WARNING"]
+    assert any("forward on the instance" in w and "layers.0.mlp.down_proj" in w for w in warnings)
 
 
 def test_qat_trainer_on_a_model_with_a_disk_layer(saved, tmp_path):

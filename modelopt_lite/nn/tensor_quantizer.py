@@ -2,7 +2,8 @@
 
 Attributes users set (directly, through :meth:`TensorQuantizer.configure` or through configs):
 ``num_bits``, ``axis``, ``block_sizes``, ``unsigned``, ``narrow_range``, ``enable``, ``fake_quant``,
-``backward`` (``"pass_through"`` or ``"clipped"``), ``learn_amax``, ``calibrator`` and ``pre_quant_scale``.
+``backward`` (``"pass_through"`` or ``"clipped"``), ``learn_amax``, ``calibrator``, ``type`` (``"static"``, or
+``"dynamic"``: the amax taken from each input, per tensor / ``axis`` / block) and ``pre_quant_scale``.
 Every change is validated at once; a bad value raises naming the attribute and the allowed values.
 
 ``learn_amax=True`` makes a static amax (INT / FP8, per tensor, channel or block) an ``nn.Parameter``

@@ -222,10 +222,14 @@ def need_calibration(config: QuantizeConfig | Mapping[str, Any] | str) -> bool:
     )
 
 
-def _set_enabled(model: nn.Module, pattern: str, enable: bool) -> int:
+def _set_enabled(model: nn.Module, pattern: str | Callable[[str], bool], enable: bool) -> int:
     count = 0
     for name, q in iter_quantizers(model):
-        if fnmatch.fnmatchcase(match_name(name), pattern) or fnmatch.fnmatchcase(name, pattern):
+        if (
+            pattern(name)
+            if callable(pattern)
+            else (fnmatch.fnmatchcase(match_name(name), pattern) or fnmatch.fnmatchcase(name, pattern))
+        ):
             q.enable() if enable else q.disable()
             count += 1
     if count == 0:
@@ -233,18 +237,22 @@ def _set_enabled(model: nn.Module, pattern: str, enable: bool) -> int:
     return count
 
 
-def disable_quantizer(model: nn.Module, pattern: str) -> int:
-    """Disable every quantizer whose name matches ``pattern`` (fnmatch); returns how many."""
+def disable_quantizer(model: nn.Module, pattern: str | Callable[[str], bool]) -> int:
+    """Disable every quantizer whose name matches ``pattern`` (fnmatch, or a function of the name);
+    returns how many."""
     return _set_enabled(model, pattern, False)
 
 
-def enable_quantizer(model: nn.Module, pattern: str) -> int:
-    """Enable every quantizer whose name matches ``pattern`` (fnmatch); returns how many."""
+def enable_quantizer(model: nn.Module, pattern: str | Callable[[str], bool]) -> int:
+    """Enable every quantizer whose name matches ``pattern`` (fnmatch, or a function of the name);
+    returns how many."""
     return _set_enabled(model, pattern, True)
 
 
-def fold_weight(model: nn.Module) -> nn.Module:
-    """Replace each quantized weight by its fake-quantized value and disable its weight quantizer."""
+def fold_weight(model: nn.Module, keep_attrs: bool = False) -> nn.Module:
+    """Replace each quantized weight by its fake-quantized value and disable its weight quantizer. The
+    quantizer keeps its attributes and amax either way (``keep_attrs``, the reference's switch to keep
+    them, changes nothing here)."""
     for module in model.modules():
         if isinstance(module, QuantModule):
             with weight_access(module, writeback=True):  # whole weights under FSDP2
@@ -264,9 +272,9 @@ def explain(model: nn.Module, pattern: str = "*") -> str:
     return "\n".join(lines)
 
 
-def print_quant_summary(model: nn.Module) -> str:
+def print_quant_summary(model: nn.Module, output_dir: str | Path | None = None) -> str:
     """Log (INFO) and return a table of every quantizer: state, format, amax, and the last rule that
-    configured it."""
+    configured it; with ``output_dir``, also write it to ``output_dir/.quant_summary.txt``."""
     state = quant_state(model)
     rows = []
     enabled = 0
@@ -278,4 +286,7 @@ def print_quant_summary(model: nn.Module) -> str:
     header = f"{len(rows)} quantizers, {enabled} enabled"
     text = "\n".join([header, *rows])
     logger.info("%s", text)
+    if output_dir is not None:
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        (Path(output_dir) / ".quant_summary.txt").write_text(text + "\n", encoding="utf-8")
     return text

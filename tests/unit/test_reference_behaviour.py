@@ -318,3 +318,16 @@ def test_export_takes_the_reference_argument_order(tmp_path):
         export_hf_checkpoint(model, tmp_path / "x", export_dir=tmp_path / "y")
     with pytest.raises(NotImplementedError, match="save_modelopt_state"):
         export_hf_checkpoint(model, torch.float32, tmp_path / "st", save_modelopt_state=True)
+
+
+def test_enable_disable_take_filter_functions_and_summary_writes_output_dir(tmp_path):
+    model = _int8_model()
+    assert mtq.disable_quantizer(model, lambda name: name.endswith("down_proj.input_quantizer")) == 1
+    assert not model.model.layers[0].mlp.down_proj.input_quantizer.is_enabled
+    assert mtq.enable_quantizer(model, lambda name: "down_proj.input" in name) == 1
+    text = mtq.print_quant_summary(model, output_dir=tmp_path / "summary")
+    assert (tmp_path / "summary" / ".quant_summary.txt").read_text() == text + "\n"
+    q = model.model.layers[0].mlp.down_proj.weight_quantizer
+    mtq.fold_weight(model, keep_attrs=True)
+    assert not q.is_enabled
+    assert q.amax is not None

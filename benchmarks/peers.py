@@ -91,9 +91,8 @@ def make_venvs(root: str) -> None:
     import torch
     import transformers
 
-    torch_pin = torch.__version__.split("+")[0]
     common = [
-        f"torch=={torch_pin}",
+        f"torch=={torch.__version__}",  # "+cpu" builds come from PyTorch's CPU index
         f"transformers=={transformers.__version__}",
         f"accelerate=={accelerate.__version__}",
         f"safetensors=={safetensors.__version__}",
@@ -164,8 +163,14 @@ def measure_ours(kind: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-def with_recovery(rows: list[dict[str, Any]], baseline: dict[str, Any], ft: dict[str, Any] | None) -> None:
-    """Recovery of every trained row against its own library's PTQ row of the same format."""
+def with_recovery(rows: list[dict[str, Any]]) -> None:
+    """Recovery of every trained row against its own library's PTQ row of the same format: QAT against the
+    ``ft`` control, QAD against the unquantized model (ours; a peer's when ours did not run)."""
+    bases = [r for r in rows if r["method"] == "baseline"]
+    if not bases:
+        return
+    baseline = next((r for r in bases if r["library"] == "ours"), bases[0])
+    ft = next((r for r in rows if r["method"] == "ft"), None)
     ptq = {(r["library"], r["format"]): r for r in rows if r["method"] == "ptq"}
     for row in rows:
         start = ptq.get((row["library"], row["format"]))
@@ -214,12 +219,22 @@ def measure(kind: str, args: argparse.Namespace, work: str) -> dict[str, Any]:
         for row in res.get("rows", []):
             row["library"] = peer
             rows.append(row)
-    ours_base = next((r for r in rows if r["library"] == "ours" and r["method"] == "baseline"), None)
-    baseline = ours_base or next((r for r in rows if r["method"] == "baseline"), None)
-    ft = next((r for r in rows if r["method"] == "ft"), None)
-    if baseline is not None:
-        with_recovery(rows, baseline, ft)
+    with_recovery(rows)
     return {"kind": kind, "seconds": round(time.perf_counter() - t0, 1), "peers": peers, "rows": rows}
+
+
+def combine(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One result per model: the rows of runs on the same model together (e.g. ours and ``--no-ours``
+    run side by side, then ``--merge``d), recovery recomputed over all of them."""
+    by_kind: dict[str, dict[str, Any]] = {}
+    for res in results:
+        into = by_kind.setdefault(res["kind"], {"kind": res["kind"], "seconds": 0.0, "peers": {}, "rows": []})
+        into["seconds"] += res["seconds"]
+        into["peers"].update(res["peers"])
+        into["rows"] += res["rows"]
+    for res in by_kind.values():
+        with_recovery(res["rows"])
+    return list(by_kind.values())
 
 
 # ---------------------------------------------------------------------------------------------- output
@@ -278,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     if args.merge:
         runs = [json.loads(Path(f).read_text()) for f in args.merge]
-        results = [m for run in runs for m in run["models"]]
+        results = combine([m for run in runs for m in run["models"]])
         budget = " | ".join(sorted({run["meta"]["budget"] for run in runs}))
     else:
         budget = (

@@ -40,22 +40,32 @@ def _row(library: str, method: str, fmt: str, ppl: float, kl: float = 0.0) -> di
 
 
 def test_recovery_against_own_ptq_row() -> None:
-    """QAT is measured against ``ft``, QAD against the unquantized model, each from its own library's PTQ
-    row of the same format."""
-    base, ft = _row("ours", "baseline", "", 100.0), _row("ours", "ft", "", 98.0)
-    rows = [
-        base,
-        ft,
+    """QAT is measured against ``ft``, QAD against our unquantized model, each from its own library's PTQ
+    row of the same format, also when ours and a peer ran separately and were merged."""
+    ours = [
+        _row("ours", "baseline", "", 100.0),
+        _row("ours", "ft", "", 98.0),
         _row("ours", "ptq", "int4", 104.0, kl=0.01),
         _row("ours", "qat", "int4", 100.0, kl=0.02),
         _row("ours", "qad", "int4", 101.0, kl=0.004),
+    ]
+    peer = [
+        _row("torchao", "baseline", "", 100.5),
         _row("torchao", "ptq", "int4", 102.0, kl=0.01),
         _row("torchao", "qat", "int4", 101.0, kl=0.01),
         _row("torchao", "qat", "fp8", 101.0),  # no PTQ row of its own: no recovery
     ]
-    peers.with_recovery(rows, base, ft)
+    merged = peers.combine(
+        [
+            {"kind": "m", "seconds": 1.0, "peers": {}, "rows": ours},
+            {"kind": "m", "seconds": 2.0, "peers": {}, "rows": peer},
+        ]
+    )
+    assert len(merged) == 1
+    assert merged[0]["seconds"] == 3.0
+    rows = merged[0]["rows"]
     assert rows[3]["test_recovery"] == pytest.approx(4 / 6)  # (104 - 100) / (104 - 98)
-    assert rows[4]["val_recovery"] == pytest.approx(3 / 4)  # (104 - 101) / (104 - 100)
+    assert rows[4]["val_recovery"] == pytest.approx(3 / 4)  # (104 - 101) / (104 - 100): our baseline
     assert rows[4]["kl_recovery"] == pytest.approx(0.6)
-    assert rows[6]["test_recovery"] == pytest.approx(1 / 4)  # (102 - 101) / (102 - 98)
-    assert "test_recovery" not in rows[7]
+    assert rows[7]["test_recovery"] == pytest.approx(1 / 4)  # (102 - 101) / (102 - 98)
+    assert "test_recovery" not in rows[8]

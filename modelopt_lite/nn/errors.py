@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["UnsupportedFeatureError"]
+__all__ = ["UnsupportedFeatureError", "unsupported_class"]
 
 
 class UnsupportedFeatureError(NotImplementedError, ValueError):
@@ -10,3 +10,15 @@ class UnsupportedFeatureError(NotImplementedError, ValueError):
 
     It is a ``NotImplementedError`` (what it is) and a ``ValueError`` (what a bad attribute or option value
     raises, so existing ``except ValueError`` handlers and pydantic validation still catch it)."""
+
+
+def unsupported_class(name: str, instead: str, module: str) -> type:
+    """A class named ``name`` (in ``module``) whose construction raises :class:`UnsupportedFeatureError`
+    saying ``instead``: the reference's name exists, and using it says what to do."""
+
+    def __init__(self: object, *args: object, **kwargs: object) -> None:
+        raise UnsupportedFeatureError(f"{module}.{name} is not supported: {instead}")
+
+    return type(
+        name, (), {"__init__": __init__, "__doc__": f"Not supported: {instead}.", "__module__": module}
+    )

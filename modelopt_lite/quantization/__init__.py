@@ -11,8 +11,8 @@ reference's other public names are here too (:mod:`.compat`, :mod:`.config_model
 
 from ..nn import QUANT_MODULES, QuantModule, SequentialQuantizer, TensorQuantizer, iter_quantizers
 
-# algorithms register at definition time; nn and tensor_quant are the reference's mtq.nn / mtq.tensor_quant
-from . import awq, gptq, mse, nn, smoothquant, tensor_quant  # noqa: F401
+# algorithms register at definition time; calib, nn and tensor_quant are the reference's mtq.* modules
+from . import awq, calib, gptq, mse, nn, smoothquant, tensor_quant  # noqa: F401
 from .calibrate import calibrate, check_calibrated, register_algorithm, run_forward_loop
 from .compat import (
     auto_quantize,
@@ -110,6 +110,7 @@ __all__ = [
     "TensorQuantizer",
     "UnsupportedFeatureError",
     "auto_quantize",
+    "calib",
     "calibrate",
     "check_calibrated",
     "compress",

@@ -115,6 +115,14 @@ QNN_NAMES = """
     RealQuantLinear SVDQuantLinear GroupedQuantizer NVFP4StaticQuantizer StaticBlockScaleQuantizer
     HardDisabledTensorQuantizer TensorQuantizerCache
 """.split()
+CALIB_NAMES = [
+    "MaxCalibrator",
+    "HistogramCalibrator",
+    "MseCalibrator",
+    "NVFP4MSECalibrator",
+    "BiasCalibrator",
+    "NVFP4ActHeadroomCalibrator",
+]
 EXPORT_NAMES = [
     "export_hf_checkpoint", "export_tensorrt_llm_checkpoint", "torch_to_tensorrt_llm_checkpoint",
     "export_mcore_gpt_to_hf", "export_mcore_gpt_to_hf_vllm_fq", "import_mcore_gpt_from_hf",
@@ -170,6 +178,7 @@ def test_other_mtq_mto_tensor_quant_nn_and_export_names_exist():
     missing += [f"tensor_quant.{n}" for n in TENSOR_QUANT_NAMES if not hasattr(tensor_quant, n)]
     missing += [f"mtq.nn.{n}" for n in QNN_NAMES if not hasattr(qnn, n)]
     missing += [f"export.{n}" for n in EXPORT_NAMES if not hasattr(mte, n)]
+    missing += [f"calib.{n}" for n in CALIB_NAMES if not hasattr(mtq.calib, n)]
     assert not missing
     assert mtq.nn is qnn
     assert mtq.tensor_quant is tensor_quant
@@ -185,6 +194,7 @@ REFUSED = [
     (lambda: qnn.unregister_quant_backend("mine"), "not implemented"),
     (lambda: qnn.QuantConv2d(3, 3, 3), "LLM linear"),
     (lambda: qnn.QuantEmbedding(10, 4), "high precision"),
+    (lambda: mtq.calib.MseCalibrator(8), "'mse' calibration algorithm"),
     (lambda: qnn.SVDQuantLinear(4, 4), "awq_lite"),
     (lambda: qnn.RealQuantLinear(4, 4), "export_hf_checkpoint"),
     (lambda: mto.apply_mode(nn.Linear(2, 2), "fastnas"), "mtq.quantize"),

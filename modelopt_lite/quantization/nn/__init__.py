@@ -10,12 +10,8 @@ the linear layers, fused MoE experts and KV caches of transformers LLMs.
 
 from __future__ import annotations
 
-from typing import Any
-
-from torch import nn
-
 from ...nn import QUANT_MODULES, QuantLinear, QuantModule, SequentialQuantizer, TensorQuantizer
-from ...nn.errors import UnsupportedFeatureError
+from ...nn.errors import unsupported_class
 from ..compat import is_registered_quant_backend, register_quant_backend, unregister_quant_backend
 from ..tensor_quant import QUANT_DESC_8BIT_PER_TENSOR
 
@@ -55,15 +51,7 @@ _WHAT: dict[str, str] = {
 }
 
 
-def _unsupported(name: str, instead: str) -> type[nn.Module]:
-    def __init__(self: nn.Module, *args: Any, **kwargs: Any) -> None:
-        raise UnsupportedFeatureError(f"mtq.nn.{name} is not supported: {instead}")
-
-    doc = f"Not supported: {instead}."
-    return type(name, (nn.Module,), {"__init__": __init__, "__doc__": doc, "__module__": __name__})
-
-
-globals().update({name: _unsupported(name, instead) for name, instead in _WHAT.items()})
+globals().update({name: unsupported_class(name, why, __name__) for name, why in _WHAT.items()})
 
 __all__ = [
     "QUANT_DESC_8BIT_PER_TENSOR",

@@ -245,6 +245,10 @@ class QuantizeConfig:
             "algorithm": copy.deepcopy(self.algorithm),
         }
 
+    def model_dump(self, **kwargs: Any) -> dict[str, Any]:
+        """The reference's (pydantic) name for :meth:`to_dict`; its keyword options are not used."""
+        return self.to_dict()
+
     def same_as(self, other: QuantizeConfig) -> bool:
         """Whether both configs do the same thing (e.g. a preset and its JSON / YAML round trip)."""
         return [r.normalized() for r in self.quant_cfg] == [r.normalized() for r in other.quant_cfg] and (

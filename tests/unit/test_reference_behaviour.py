@@ -88,7 +88,9 @@ def test_quantize_takes_pydantic_entries_and_algorithm_configs(lib_caplog):
     assert q.weight_quantizer.block_sizes == {-1: 16}
     assert q.input_quantizer.num_bits == (4, 3)
     assert "-> alpha" in lib_caplog.text  # AWQ's debug option logs each group's search
-    assert mtq.QuantizeConfig(quant_cfg=config["quant_cfg"], algorithm="max").quant_cfg[1].cfg == dict(weight)
+    typed = mtq.QuantizeConfig(quant_cfg=config["quant_cfg"], algorithm="max")
+    assert typed.quant_cfg[1].cfg == dict(weight)
+    assert typed.model_dump() == typed.to_dict()
 
 
 def test_awq_clip_takes_the_reference_grid_options():

@@ -12,7 +12,7 @@ reference's other public names are here too (:mod:`.compat`, :mod:`.config_model
 from ..nn import QUANT_MODULES, QuantModule, SequentialQuantizer, TensorQuantizer, iter_quantizers
 
 # algorithms register at definition time; calib, nn and tensor_quant are the reference's mtq.* modules
-from . import awq, calib, gptq, mse, nn, smoothquant, tensor_quant  # noqa: F401
+from . import awq, calib, config_models, gptq, mse, nn, smoothquant, tensor_quant  # noqa: F401
 from .calibrate import calibrate, check_calibrated, register_algorithm, run_forward_loop
 from .compat import (
     auto_quantize,
@@ -34,25 +34,7 @@ from .compat import (
     update_quant_cfg_with_kv_cache_quant,
 )
 from .config import QuantizeConfig, QuantRule, UnsupportedFeatureError, quantizer_attributes
-from .config_models import (
-    AWQClipCalibConfig,
-    AWQFullCalibConfig,
-    AWQLiteCalibConfig,
-    CompressConfig,
-    GPTQCalibConfig,
-    LayerwiseConfig,
-    LocalHessianCalibConfig,
-    LSQConfig,
-    MaxCalibConfig,
-    MseCalibConfig,
-    NVFP4ActHeadroomCalibConfig,
-    QuantizeAlgorithmConfig,
-    QuantizerAttributeConfig,
-    QuantizerCfgEntry,
-    RotateConfig,
-    SmoothQuantCalibConfig,
-    SVDQuantConfig,
-)
+from .config_models import *  # noqa: F403  (the reference's pydantic config classes)
 from .insertion import insert_quantizers
 from .model_quant import (
     disable_quantizer,
@@ -80,33 +62,17 @@ globals().update(_PRESET_CONSTANTS)
 
 __all__ = [
     *sorted(_PRESET_CONSTANTS),
+    *config_models.__all__,
     "EXTRA_PRESETS",
     "KV_PRESETS",
     "PRESETS",
     "QUANT_MODULES",
-    "AWQClipCalibConfig",
-    "AWQFullCalibConfig",
-    "AWQLiteCalibConfig",
-    "CompressConfig",
-    "GPTQCalibConfig",
-    "LSQConfig",
-    "LayerwiseConfig",
-    "LocalHessianCalibConfig",
-    "MaxCalibConfig",
-    "MseCalibConfig",
-    "NVFP4ActHeadroomCalibConfig",
     "QuantModule",
     "QuantModuleRegistry",
     "QuantRule",
-    "QuantizeAlgorithmConfig",
     "QuantizeConfig",
-    "QuantizerAttributeConfig",
-    "QuantizerCfgEntry",
     "Recipe",
-    "RotateConfig",
-    "SVDQuantConfig",
     "SequentialQuantizer",
-    "SmoothQuantCalibConfig",
     "TensorQuantizer",
     "UnsupportedFeatureError",
     "auto_quantize",

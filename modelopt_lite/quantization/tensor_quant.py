@@ -38,7 +38,13 @@ __all__ = [
     "QUANT_DESC_8BIT_LINEAR_WEIGHT_PER_ROW",
     "QUANT_DESC_8BIT_PER_TENSOR",
     "QUANT_DESC_UNSIGNED_8BIT_PER_TENSOR",
+    "DynamicBlockQuantizationFunction",
+    "FP4CastSTEFunction",
+    "FakeTensorQuantFunction",
+    "IntCastSTEFunction",
     "QuantizerAttributeConfig",
+    "ScaledE4M3Function",
+    "StaticBlockwiseFP4FakeQuantFunction",
     "dynamic_block_quant",
     "fake_quant_impl",
     "fake_tensor_quant",
@@ -208,3 +214,20 @@ def static_blockwise_fp4_fake_quant(*args: Any, **kwargs: Any) -> torch.Tensor:
         "static_blockwise_fp4_fake_quant: static NVFP4 block scales are not implemented; use "
         "dynamic_block_quant(x, 16, global_amax, None, (2, 1), (4, 3))"
     )
+
+
+def _autograd_name(name: str, fn: Callable[..., torch.Tensor]) -> type:
+    """The reference's ``torch.autograd.Function`` name for ``fn``: ``<name>.apply(...)`` is ``fn(...)``."""
+    return type(
+        name, (), {"apply": staticmethod(fn), "__doc__": f"``{name}.apply`` is :func:`{fn.__name__}`."}
+    )
+
+
+FakeTensorQuantFunction = _autograd_name("FakeTensorQuantFunction", fake_tensor_quant)
+ScaledE4M3Function = _autograd_name("ScaledE4M3Function", scaled_e4m3)
+DynamicBlockQuantizationFunction = _autograd_name("DynamicBlockQuantizationFunction", dynamic_block_quant)
+IntCastSTEFunction = _autograd_name("IntCastSTEFunction", int_cast_ste)
+FP4CastSTEFunction = _autograd_name("FP4CastSTEFunction", fp4_cast_ste)
+StaticBlockwiseFP4FakeQuantFunction = _autograd_name(
+    "StaticBlockwiseFP4FakeQuantFunction", static_blockwise_fp4_fake_quant
+)

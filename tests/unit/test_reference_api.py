@@ -93,6 +93,8 @@ MTO_OTHER_NAMES = [
     "ModeloptStateManager",
 ]
 TENSOR_QUANT_NAMES = """
+    FakeTensorQuantFunction ScaledE4M3Function DynamicBlockQuantizationFunction IntCastSTEFunction
+    FP4CastSTEFunction StaticBlockwiseFP4FakeQuantFunction
     fake_tensor_quant scaled_e4m3 dynamic_block_quant static_blockwise_fp4_fake_quant fp4_cast_ste
     int_cast_ste fake_quant_impl scaled_e4m3_impl fp8_eager E4M3_MAX mx_format_map
     QuantizerAttributeConfig QUANT_DESC_8BIT_PER_TENSOR QUANT_DESC_UNSIGNED_8BIT_PER_TENSOR

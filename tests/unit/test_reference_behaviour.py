@@ -265,6 +265,9 @@ def test_functional_tensor_quant_matches_the_reference_formulas():
     x = torch.linspace(-4, 4, 101)
     amax = torch.tensor(3.0)
     assert torch.allclose(tensor_quant.fake_tensor_quant(x, amax), _int8(x, amax))  # narrow range by default
+    assert torch.equal(
+        tensor_quant.FakeTensorQuantFunction.apply(x, amax), tensor_quant.fake_tensor_quant(x, amax)
+    )
     xg = x.clone().requires_grad_(True)
     tensor_quant.fake_tensor_quant(xg, amax).sum().backward()
     assert torch.equal(xg.grad, (x.abs() <= 3).float())

@@ -4,6 +4,7 @@ as JSON. No pickle anywhere."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ from safetensors.torch import load_file, load_model, save_model
 from torch import nn
 
 from ..logging import get_logger
+from ..nn.errors import UnsupportedFeatureError
 from ..quantization.insertion import remove_quantizers, snapshot_implementations
 from .hf import attach, checkpointing_enabled
 from .state import modelopt_state, restore_from_modelopt_state
@@ -23,9 +25,19 @@ _METADATA_KEY = "modelopt_lite_state"
 STATE_FILE = "modelopt_lite_state.json"  # beside the weights in a save_pretrained / Trainer directory
 
 
-def save(model: nn.Module, path: str | Path) -> Path:
-    """Write weights, quantizer tensors and quantizer state of ``model`` to one safetensors file."""
-    path = Path(path)
+def _path(f: str | os.PathLike[str]) -> Path:
+    if not isinstance(f, (str, os.PathLike)):
+        raise UnsupportedFeatureError(
+            f"a {type(f).__name__} is not supported as the checkpoint: the state is safetensors metadata, "
+            "written to and read from a path; pass a path such as 'model.safetensors'"
+        )
+    return Path(f)
+
+
+def save(model: nn.Module, f: str | os.PathLike[str]) -> Path:
+    """Write weights, quantizer tensors and quantizer state of ``model`` to one safetensors file at the path
+    ``f`` (the reference's argument name; a file object raises, naming the alternative)."""
+    path = _path(f)
     path.parent.mkdir(parents=True, exist_ok=True)
     state = modelopt_state(model)
     save_model(model, str(path), metadata={_METADATA_KEY: json.dumps(state)})
@@ -74,11 +86,12 @@ def _load_weights(model: nn.Module, path: Path) -> tuple[list[str], list[str]]:
     return [k for k in result.missing_keys if k not in tied], list(result.unexpected_keys)
 
 
-def restore(model: nn.Module, path: str | Path) -> nn.Module:
-    """Re-create the quantizers saved by :func:`save` (a file) or ``QATTrainer.save_model`` (a directory)
-    on a fresh ``model`` of the same architecture and load weights and quantizer tensors. Returns ``model``.
-    If the checkpoint does not fit, the quantizers are removed again and the error names what differs."""
-    path = Path(path)
+def restore(model: nn.Module, f: str | os.PathLike[str]) -> nn.Module:
+    """Re-create the quantizers saved by :func:`save` (a file) or ``QATTrainer.save_model`` (a directory) at
+    the path ``f`` on a fresh ``model`` of the same architecture and load weights and quantizer tensors.
+    Returns ``model``. If the checkpoint does not fit, the quantizers are removed again and the error names
+    what differs."""
+    path = _path(f)
     state = load_state(path)
     implementations = snapshot_implementations(model)
     restore_from_modelopt_state(model, state)

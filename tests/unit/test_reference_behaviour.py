@@ -305,6 +305,13 @@ def test_load_modelopt_state_and_restore_by_path(tmp_path):
     assert isinstance(fresh.model.layers[0].mlp.down_proj.weight_quantizer, mtq.TensorQuantizer)
     with pytest.raises(ValueError, match="exactly one"):
         mto.restore_from_modelopt_state(fresh)
+    again = mto.restore(tiny_llama(layers=1), f=mto.save(model, f=tmp_path / "kw.safetensors"))
+    assert torch.equal(
+        again.model.layers[0].mlp.down_proj.weight_quantizer.amax,
+        model.model.layers[0].mlp.down_proj.weight_quantizer.amax,
+    )
+    with pytest.raises(NotImplementedError, match="pass a path"), (tmp_path / "f.bin").open("wb") as handle:
+        mto.save(model, handle)
 
 
 def test_export_takes_the_reference_argument_order(tmp_path):

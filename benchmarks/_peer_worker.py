@@ -21,7 +21,6 @@ import copy
 import json
 import sys
 import tempfile
-import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -46,12 +45,11 @@ class Run:
     """The model, data and budget every row shares, and the rows measured so far."""
 
     def __init__(self, spec: dict[str, Any]):
+        accuracy.setup(spec["threads"])
         import torch
         from safetensors.torch import load_file
         from transformers import AutoModelForCausalLM
 
-        torch.set_num_threads(spec["threads"])
-        torch.manual_seed(0)
         self.spec = spec
         data = load_file(spec["data"])
         self.evals = {s: data[s] for s in ("validation", "test")}
@@ -88,18 +86,7 @@ class Run:
     def train(self, make_trainer: Any) -> tuple[Any, dict[str, Any]]:
         """Build a trainer with ``make_trainer(training_args)``, train it, return the model and stats."""
         with tempfile.TemporaryDirectory(prefix="peer-bench-") as out:
-            trainer = make_trainer(self.training_args(out))
-            start = time.perf_counter()
-            trainer.train()
-            seconds = time.perf_counter() - start
-        losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
-        model = trainer.accelerator.unwrap_model(trainer.model).eval()
-        return model, {
-            "train_seconds": round(seconds, 1),
-            "steps": trainer.state.global_step,
-            "train_loss_first": losses[0] if losses else None,
-            "train_loss_last": losses[-1] if losses else None,
-        }
+            return accuracy.run_training(make_trainer(self.training_args(out)))
 
     def guarded(self, key: str, work: Any) -> None:
         """Run ``work()``; a peer error is recorded under ``key`` (first line, verbatim) and logged."""

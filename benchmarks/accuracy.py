@@ -308,9 +308,14 @@ def _train(
                 temperature=args.temperature, kd_loss_weight=1.0, ce_loss_weight=0.0
             )
             trainer = QADTrainer(**common, quant_args=quant, distill_args=distill, teacher_model=teacher)
-        start = time.perf_counter()
-        trainer.train()
-        seconds = time.perf_counter() - start
+        return run_training(trainer)
+
+
+def run_training(trainer: Any) -> tuple[Any, dict[str, Any]]:
+    """Train; the trained model (unwrapped, eval mode) and the run's time, steps and first / last loss."""
+    start = time.perf_counter()
+    trainer.train()
+    seconds = time.perf_counter() - start
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     model = trainer.accelerator.unwrap_model(trainer.model).eval()
     return model, {
@@ -539,16 +544,23 @@ def plot(results: list[dict[str, Any]], path: str, steps: int) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(args.threads)
+def setup(threads: int) -> None:
+    """``threads`` OpenMP / MKL / torch threads, offline and quiet transformers, torch seed 0."""
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     import torch
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    setup(args.threads)
+    import torch
     import transformers
 
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
     start = time.perf_counter()
     budget = (
         f"{args.steps} steps x {args.batch_size} x {args.seq_len} tokens, lr {args.lr:g} (warm-up 10%, "

@@ -282,14 +282,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.make_venvs:
         make_venvs(args.make_venvs)
         return 0
-    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(args.threads)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    accuracy.setup(args.threads)
     import torch
     import transformers
 
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
     start = time.perf_counter()
     if args.merge:
         runs = [json.loads(Path(f).read_text()) for f in args.merge]

@@ -3,7 +3,8 @@
     python benchmarks/peers.py --make-venvs DIR          # once: DIR/torchao and DIR/modelopt virtualenvs
     TORCHAO_PYTHON=DIR/torchao/bin/python MODELOPT_REFERENCE_PYTHON=DIR/modelopt/bin/python \\
     MODELOPT_LITE_CACHE=... OMP_WAIT_POLICY=PASSIVE python benchmarks/peers.py --models bench-dense \\
-        [--seed 0] [--steps 200] [--lr 1e-4] [--json F] [--md F] [--quick]
+        [--seed 0] [--steps 200] [--lr 1e-4] [--no-ours] [--json F] [--md F] [--quick]
+    python benchmarks/peers.py --merge A.json B.json [--json F] [--md F]   # e.g. ours and --no-ours runs
 
 Rows, per format (``nvfp4`` W4A4 NVFP4, ``int4`` INT4 weight-only groups of 128, ``fp8`` W8A8 FP8):
 
@@ -132,28 +133,20 @@ def run_peer(peer: str, python: str, spec_path: str, threads: int) -> dict[str, 
 def measure_ours(kind: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     """``accuracy.measure`` on the formats' PTQ rows, their ``qat`` / ``qad`` rows and the ``ft`` control."""
     ptq = [OUR_PTQ[f] for f in args.formats]
-    ns = accuracy.parse_args(
-        [
-            *("--models", kind, "--threads", str(args.threads), "--seeds", str(args.seed)),
-            *(
-                "--steps",
-                str(args.steps),
-                "--batch-size",
-                str(args.batch_size),
-                "--seq-len",
-                str(args.seq_len),
-            ),
-            *(
-                "--lr",
-                repr(args.lr),
-                "--temperature",
-                repr(args.temperature),
-                "--calib-size",
-                str(args.calib_size),
-            ),
-            *("--ptq", ",".join(ptq), "--rows", ",".join(f"{m} {r}" for r in ptq for m in ("qat", "qad"))),
-        ]
-    )
+    flags = {
+        "--models": kind,
+        "--threads": args.threads,
+        "--seeds": args.seed,
+        "--steps": args.steps,
+        "--batch-size": args.batch_size,
+        "--seq-len": args.seq_len,
+        "--lr": repr(args.lr),
+        "--temperature": repr(args.temperature),
+        "--calib-size": args.calib_size,
+        "--ptq": ",".join(ptq),
+        "--rows": ",".join(f"{m} {r}" for r in ptq for m in ("qat", "qad")),
+    }
+    ns = accuracy.parse_args([str(x) for flag in flags.items() for x in flag])
     ns.eval_windows = args.eval_windows
     rows = accuracy.measure(kind, ns)["rows"]
     fmt_of = {f"ptq {row}": fmt for fmt, row in OUR_PTQ.items()}

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import re
 import sys
 import tempfile
 from types import SimpleNamespace
@@ -165,15 +166,17 @@ def torchao_rows(run: Run, fmt: str) -> None:
 
 
 def _modelopt_counts(model: Any) -> dict[str, Any]:
-    """Enabled weight / input quantizers, and the names of the modules whose weights are quantized."""
+    """Enabled weight / input quantizers, and the modules whose weights are quantized (fused MoE experts
+    carry one weight quantizer per expert: ``experts.gate_up_proj_weight_quantizers.3``)."""
     from modelopt.torch.quantization.nn import TensorQuantizer
 
     names = [n for n, m in model.named_modules() if isinstance(m, TensorQuantizer) and m.is_enabled]
-    weights = sorted({n.rsplit(".", 1)[0] for n in names if n.endswith("weight_quantizer")})
+    weight = re.compile(r"[._]weight_quantizers?(\.\d+)?$")
+    weights = [n for n in names if weight.search(n)]
     return {
-        "weight_quantizers": sum(n.endswith("weight_quantizer") for n in names),
-        "input_quantizers": sum(n.endswith("input_quantizer") for n in names),
-        "quantized_modules": weights,
+        "weight_quantizers": len(weights),
+        "input_quantizers": sum(bool(re.search(r"[._]input_quantizer$", n)) for n in names),
+        "quantized_modules": sorted({weight.sub("", n) for n in weights}),
     }
 
 

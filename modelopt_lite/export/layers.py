@@ -249,14 +249,14 @@ def _siblings(model: nn.Module) -> Iterator[list[QuantLinear]]:
 
 
 @torch.no_grad()
-def _raise_to_max(quantizers: list[TensorQuantizer]) -> bool:
-    amaxes = [q.amax for q in quantizers]
+def _raise_to_max(quantizers: list[TensorQuantizer], attr: str = "amax") -> bool:
+    amaxes = [getattr(q, attr) for q in quantizers]
     if any(a is None or a.numel() != 1 for a in amaxes):
         return False
     top = torch.stack([a.reshape(()).float() for a in amaxes]).amax()
     changed = any(not torch.equal(a.reshape(()), top.to(a.device)) for a in amaxes)
-    for q in quantizers:
-        q.amax = top.to(q.amax.device).reshape(q.amax.shape)
+    for q, a in zip(quantizers, amaxes, strict=True):
+        setattr(q, attr, top.to(a.device).reshape(a.shape))
     return changed
 
 
@@ -271,7 +271,8 @@ def unify_shared_scales(model: nn.Module) -> list[str]:
             changed.extend(q.name for q in inputs)
         weights = [m.weight_quantizer for m in members]
         if all(isinstance(q, TensorQuantizer) and q.spec.kind == "nvfp4" for q in weights):
-            if _raise_to_max(weights):  # type: ignore[arg-type]
+            static = all(q.spec.static_nvfp4 for q in weights)  # type: ignore[union-attr]
+            if _raise_to_max(weights, "global_amax" if static else "amax"):  # type: ignore[arg-type]
                 changed.extend(q.name for q in weights)
     if changed:
         logger.info(

@@ -19,7 +19,14 @@ from typing import ClassVar
 
 import torch
 
-from ..formats import BlockLayout, nvfp4_block_scales, nvfp4_global_scale, pack_e2m1, unpack_e2m1
+from ..formats import (
+    BlockLayout,
+    nvfp4_block_scales,
+    nvfp4_global_scale,
+    nvfp4_static_scales,
+    pack_e2m1,
+    unpack_e2m1,
+)
 from ..formats.fp8 import fp8_scales
 from ..formats.integer import int_bounds, int_scale_keep
 from ..formats.mx import mx_scale_exponent
@@ -221,7 +228,8 @@ class _FixedBlockPacker(Packer):
 @register_packer("NVFP4", "NVFP4_AWQ", "W4A16_NVFP4")
 class NVFP4Packer(_FixedBlockPacker):
     """``weight`` uint8 ``(out, in / 2)`` (E2M1 codes, even element low); ``weight_scale`` float8_e4m3fn
-    ``(out, in / 16)``; ``weight_scale_2`` f32 scalar = amax / 2688."""
+    ``(out, in / 16)``; ``weight_scale_2`` f32 scalar = amax / 2688. Static NVFP4 (calibrated block amax,
+    four-over-six) writes the reference's static scales (``formats.nvfp4_static_scales``)."""
 
     weight_dtype = torch.uint8
     weight_bits = 4
@@ -232,8 +240,13 @@ class NVFP4Packer(_FixedBlockPacker):
     def pack(self, weight: torch.Tensor, quantizer: Quantizer) -> Tensors:
         out_f, in_f = weight.shape
         blocks = self._blocks(weight)
-        s2 = nvfp4_global_scale(_amax(_stage(quantizer, 0)))
-        block_scale = nvfp4_block_scales(blocks.abs().amax(-1, keepdim=True), s2)
+        q = _stage(quantizer, 0)
+        if q.spec.static_nvfp4:
+            global_amax = q.global_amax if q.global_amax is not None else _amax(q).amax()
+            block_scale, s2 = nvfp4_static_scales(_amax(q).reshape(-1, 1), global_amax, q.spec.nvfp4_fp8_max)
+        else:
+            s2 = nvfp4_global_scale(_amax(q))
+            block_scale = nvfp4_block_scales(blocks.abs().amax(-1, keepdim=True), s2)
         scaled = blocks / (block_scale * s2)  # the fake quantization's |x| / (fp8(s) * s2), signed
         return {
             "weight": pack_e2m1(scaled.reshape(out_f, in_f)),

@@ -11,6 +11,7 @@ from .nvfp4 import (
     nvfp4_block_scales,
     nvfp4_fake_quant,
     nvfp4_global_scale,
+    nvfp4_static_scales,
     pack_e2m1,
     unpack_e2m1,
 )
@@ -35,6 +36,7 @@ __all__ = [
     "nvfp4_block_scales",
     "nvfp4_fake_quant",
     "nvfp4_global_scale",
+    "nvfp4_static_scales",
     "pack_e2m1",
     "reduce_amax",
     "reduce_axes",

@@ -15,7 +15,7 @@ from ._chunks import map_rows
 from .fp8 import fp8_apply, fp8_scales, fp8_spec
 from .integer import check_unsigned, int_apply, int_bounds, int_scale_keep
 from .mx import mx_fake_quant
-from .nvfp4 import nvfp4_fake_quant
+from .nvfp4 import nvfp4_fake_quant, nvfp4_static_fake_quant
 from .spec import FormatSpec
 
 __all__ = [
@@ -31,7 +31,7 @@ __all__ = [
 
 def reduce_axes(spec: FormatSpec, ndim: int) -> tuple[int, ...] | None:
     """Axes a per-tensor / per-channel amax reduces over (``None`` for per-block specs)."""
-    if spec.block_axes and spec.kind in ("int", "fp8"):
+    if spec.block_axes and (spec.kind in ("int", "fp8") or spec.static_nvfp4):
         return None
     if spec.axis is None or spec.kind == "nvfp4":
         return tuple(range(ndim))
@@ -46,8 +46,8 @@ def reduce_axes(spec: FormatSpec, ndim: int) -> tuple[int, ...] | None:
 def reduce_amax(x: torch.Tensor, spec: FormatSpec) -> torch.Tensor:
     """The amax of ``x`` with the shape the spec's quantizer stores (float32).
 
-    Per tensor: a scalar; per channel: ``keepdim`` shape; static blocks: ``(num_blocks, 1)``;
-    NVFP4: the per-tensor (global) amax.
+    Per tensor: a scalar; per channel: ``keepdim`` shape; static blocks (static NVFP4 included):
+    ``(num_blocks, 1)``; NVFP4: the per-tensor (global) amax.
     """
     return reduce_like_amax(x.detach().abs().float(), spec, "amax")
 
@@ -95,8 +95,26 @@ def _rows(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor) -> tuple[torch.
     return None
 
 
-def fake_quant_reference(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None = None) -> torch.Tensor:
-    """The pure-PyTorch reference (any device, no autograd handling)."""
+def _static_nvfp4(
+    x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None, global_amax: torch.Tensor | None
+) -> torch.Tensor:
+    if amax is None:
+        raise ValueError(f"{spec.name} {spec.granularity} needs a calibrated amax per block")
+    if global_amax is None:  # the global amax a max calibration gives: the largest block amax
+        global_amax = amax.detach().amax()
+    return nvfp4_static_fake_quant(x, amax, global_amax, spec.nvfp4_fp8_max, spec.block_axes[0][1])
+
+
+def fake_quant_reference(
+    x: torch.Tensor,
+    spec: FormatSpec,
+    amax: torch.Tensor | None = None,
+    global_amax: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The pure-PyTorch reference (any device, no autograd handling). ``global_amax``: static NVFP4's
+    per-tensor amax (``None``: the largest block amax)."""
+    if spec.static_nvfp4:
+        return _static_nvfp4(x, spec, amax, global_amax)
     if spec.kind == "nvfp4":
         return nvfp4_fake_quant(x, amax, spec.block_axes[0][1])
     if spec.kind == "mx":
@@ -129,7 +147,9 @@ def fake_quant_reference(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor |
     return layout.merge(map_rows(apply, blocks, *params)).to(x.dtype)
 
 
-def dispatch_fake_quant(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None) -> torch.Tensor:
+def dispatch_fake_quant(
+    x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None, global_amax: torch.Tensor | None = None
+) -> torch.Tensor:
     """Fake quant without autograd: the Triton kernel on CUDA where it applies, else the reference."""
     if spec.dynamic and not spec.block_axes and spec.kind in ("int", "fp8"):
         amax = reduce_amax(x, spec)  # dynamic per tensor / per axis: this input's own amax
@@ -139,13 +159,13 @@ def dispatch_fake_quant(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | 
         out = triton_kernels.try_fake_quant(x, spec, amax)
         if out is not None:
             return out
-    return fake_quant_reference(x, spec, amax)
+    return fake_quant_reference(x, spec, amax, global_amax)
 
 
 def broadcast_amax(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor) -> torch.Tensor:
     """A static amax (per tensor, per channel or per block) as a tensor that broadcasts against ``x``:
     per-block amax are expanded to the elements of their blocks."""
-    if spec.block_axes and spec.kind != "nvfp4":
+    if spec.block_axes and (spec.kind in ("int", "fp8") or spec.static_nvfp4):
         layout = BlockLayout.build(x.shape, spec.block_sizes)
         per_block = amax.reshape(-1, 1).expand(layout.num_blocks(), layout.block_numel)
         return layout.merge(per_block.contiguous())
@@ -163,19 +183,19 @@ class _FakeQuantSTE(torch.autograd.Function):
     """Fake quantization forward; straight-through backward (identity, or zero where |x| > amax)."""
 
     @staticmethod
-    def forward(ctx, x, spec, amax, clip_amax):  # type: ignore[override]
+    def forward(ctx, x, spec, amax, clip_amax, global_amax):  # type: ignore[override]
         if clip_amax is not None:
             ctx.save_for_backward(x, clip_amax)
         ctx.clip = clip_amax is not None
-        return dispatch_fake_quant(x, spec, amax)
+        return dispatch_fake_quant(x, spec, amax, global_amax)
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
         if not ctx.clip:
-            return grad_out, None, None, None
+            return grad_out, None, None, None, None
         x, clip_amax = ctx.saved_tensors
         inside = x.abs() <= clip_amax.to(x.dtype)
-        return grad_out * inside, None, None, None
+        return grad_out * inside, None, None, None, None
 
 
 def fake_quant(
@@ -183,13 +203,15 @@ def fake_quant(
     spec: FormatSpec,
     amax: torch.Tensor | None = None,
     clip_gradient: bool = False,
+    global_amax: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Fake-quantize ``x`` (same dtype and shape out) with a straight-through-estimator backward.
 
     ``clip_gradient=True`` zeroes the gradient where ``|x| > amax`` (the calibrated amax: per tensor, per
-    channel, per static block, or NVFP4's global amax); a dynamic amax never clips.
+    channel, per static block, or NVFP4's global amax); a dynamic amax never clips. ``global_amax``: the
+    per-tensor amax of static NVFP4 (whose ``amax`` is per block).
     """
     clip_amax = _clip_amax(x, spec, amax) if clip_gradient and x.requires_grad else None
     if not torch.is_grad_enabled() or not x.requires_grad:
-        return dispatch_fake_quant(x, spec, amax)
-    return _FakeQuantSTE.apply(x, spec, amax, clip_amax)
+        return dispatch_fake_quant(x, spec, amax, global_amax)
+    return _FakeQuantSTE.apply(x, spec, amax, clip_amax, global_amax)

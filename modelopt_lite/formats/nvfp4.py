@@ -24,6 +24,8 @@ __all__ = [
     "nvfp4_block_scales",
     "nvfp4_fake_quant",
     "nvfp4_global_scale",
+    "nvfp4_static_fake_quant",
+    "nvfp4_static_scales",
     "pack_e2m1",
     "unpack_e2m1",
 ]
@@ -31,6 +33,8 @@ __all__ = [
 NVFP4_BLOCK = 16
 _FP4_X_FP8 = 6.0 * 448.0  # 2688: the largest NVFP4 magnitude times the largest block scale
 _MIN_BLOCK_SCALE = 2.0**-9
+FP8_MAX = 448.0
+FP8_MAX_FOUR_OVER_SIX = 256.0  # block scales normalized to 256 leave room for a 1.5x larger block amax
 
 
 def nvfp4_global_scale(global_amax: torch.Tensor) -> torch.Tensor:
@@ -69,6 +73,54 @@ def nvfp4_fake_quant(
         return e2m1_round(mag.div_(step), out=mag).copysign_(rows).mul_(step)
 
     return layout.merge(map_rows(quantize_rows, blocks)).to(x.dtype)
+
+
+def nvfp4_static_fake_quant(
+    x: torch.Tensor,
+    block_amax: torch.Tensor,
+    global_amax: torch.Tensor,
+    fp8_max: float = FP8_MAX,
+    block_size: int = NVFP4_BLOCK,
+) -> torch.Tensor:
+    """NVFP4 fake quantization with calibrated (static) block amax, NUMERICS.md "Static NVFP4".
+
+    ``block_amax`` holds one amax per block of ``block_size`` along the last axis (any shape with that many
+    elements); ``global_amax`` is the per-tensor amax. The block scale ``block_amax / 6`` is cast to FP8-E4M3
+    on the grid whose largest value ``fp8_max`` corresponds to ``global_amax / 6`` (448, or 256 for
+    four-over-six, where a block amax up to 1.75x the global amax still fits); values saturate at 448. A
+    block whose scale rounds to zero quantizes to zero. The operations and their order are the reference
+    library's (``static_blockwise_fp4_fake_quant``), so results match it bit for bit.
+    """
+    layout = BlockLayout.build(x.shape, {-1: block_size})
+    blocks = layout.split(x)
+    if block_amax.numel() != blocks.shape[0]:
+        raise ValueError(
+            f"block amax has {block_amax.numel()} values but the input splits into {blocks.shape[0]} blocks "
+            f"of {block_size} (input shape {tuple(x.shape)})"
+        )
+    scale = block_amax.to(device=x.device, dtype=torch.float32).reshape(-1, 1) / 6.0
+    grid_amax = global_amax.to(device=x.device, dtype=torch.float32) * (FP8_MAX / fp8_max) / 6.0
+    grid = 448.0 / torch.where(grid_amax <= TINY_AMAX, torch.ones_like(grid_amax), grid_amax)
+    scale = (scale * grid).clamp_(-448.0, 448.0).to(torch.float8_e4m3fn).float() * (1 / grid)
+    zero = scale == 0
+    step = torch.where(zero | ~torch.isfinite(scale), torch.ones_like(scale), scale)
+    mag = e2m1_round(blocks.float().abs() / step).mul_(step)
+    out = torch.where(blocks >= 0, mag, -mag).masked_fill_(zero, 0.0)
+    return layout.merge(out).to(x.dtype)
+
+
+def nvfp4_static_scales(
+    block_amax: torch.Tensor, global_amax: torch.Tensor, fp8_max: float = FP8_MAX
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Export scales of static NVFP4: ``(weight_scale, weight_scale_2)``, the per-block FP8 scale (float32
+    values, shaped like ``block_amax``) and ``global_amax / (6 * fp8_max)``, as the reference library writes
+    them (a zero block scale becomes 1, then ``block_amax / 6`` over ``global_amax / 6`` times ``fp8_max``
+    is clamped to ``[2**-9, 448]`` and cast)."""
+    global_amax = global_amax.float()
+    s = block_amax.float() / 6.0
+    s = torch.where(s == 0, torch.ones_like(s), s)
+    s = (s * fp8_max / (global_amax / 6.0)).clamp(min=_MIN_BLOCK_SCALE, max=448.0)
+    return s.to(torch.float8_e4m3fn).float(), global_amax / (6.0 * fp8_max)
 
 
 def pack_e2m1(x_scaled: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,9 @@ INT-k / FP8 dynamic    ``type="dynamic"``, ``axis`` None or int / tuple   from t
 FP8                    ``(4, 3)`` E4M3, ``(5, 2)`` E5M2; 1-D / 2-D blocks  like INT
 NVFP4                  ``(2, 1)``; ``{-1: 16, "type": "dynamic",          calibrated global amax (per tensor)
                        "scale_bits": (4, 3)}``
+NVFP4 static scales    ``(2, 1)``; ``{-1: 16, "type": "static",           calibrated, ``(num_blocks, 1)``, and
+                       "scale_bits": (4, 3)}``, optionally                the global amax (``global_amax``)
+                       ``"four_over_six": True``
 MX (MXFP8/6/4, MXINT8) ``(4, 3)``, ``(5, 2)``, ``(3, 2)``, ``(2, 3)``,      none (E8M0 scale per block)
                        ``(2, 1)``, ``8``; ``{-1: 32, "type": "dynamic",
                        "scale_bits": (8, 0)}``
@@ -29,11 +32,12 @@ from typing import Any, Literal
 from .fp8 import FP8_FORMATS
 from .integer import validate_int_bits
 from .mx import MX_ELEMENTS
+from .nvfp4 import FP8_MAX, FP8_MAX_FOUR_OVER_SIX
 
 __all__ = ["FormatSpec", "resolve_format"]
 
 Kind = Literal["int", "fp8", "nvfp4", "mx"]
-_BLOCK_META_KEYS = ("type", "scale_bits", "scale_block_sizes")
+_BLOCK_META_KEYS = ("type", "scale_bits", "scale_block_sizes", "four_over_six")
 _MX_NAMES = {(4, 3): "mxfp8", (5, 2): "mxfp8_e5m2", (3, 2): "mxfp6_e3m2", (2, 3): "mxfp6_e2m3"}
 _MX_NAMES.update({(2, 1): "mxfp4", 8: "mxint8"})
 
@@ -61,6 +65,17 @@ class FormatSpec:
     dynamic: bool = False
     unsigned: bool = False
     narrow_range: bool = False
+    four_over_six: bool = False  # static NVFP4: FP8 block scales normalized to 256 instead of 448
+
+    @property
+    def static_nvfp4(self) -> bool:
+        """NVFP4 with a calibrated amax per block (and a global amax), not one taken from each block."""
+        return self.kind == "nvfp4" and not self.dynamic
+
+    @property
+    def nvfp4_fp8_max(self) -> float:
+        """The FP8 value static NVFP4 maps ``global_amax / 6`` to: 256 with four-over-six, else 448."""
+        return FP8_MAX_FOUR_OVER_SIX if self.four_over_six else FP8_MAX
 
     @property
     def block_sizes(self) -> dict[int, int | None]:
@@ -87,6 +102,8 @@ class FormatSpec:
 
     @property
     def granularity(self) -> str:
+        if self.static_nvfp4:
+            return f"block{self.block_axes[0][1]} static{' four-over-six' if self.four_over_six else ''}"
         if self.kind in ("nvfp4", "mx"):
             return f"block{self.block_axes[0][1]}"
         if self.block_axes:
@@ -121,6 +138,8 @@ def _check_block_sizes(block_sizes: Mapping[Any, Any]) -> tuple[dict[int, int | 
     block_type = meta.get("type", "static")
     if block_type not in ("static", "dynamic"):
         raise ValueError(f"block_sizes['type']={block_type!r} (allowed: 'static', 'dynamic')")
+    if not isinstance(meta.get("four_over_six", False), (bool, int)):
+        raise ValueError(f"block_sizes['four_over_six']={meta['four_over_six']!r} must be True or False")
     if meta.get("scale_block_sizes"):
         raise ValueError("block_sizes['scale_block_sizes'] (double quantization) is not supported")
     return axes, meta
@@ -167,6 +186,12 @@ def resolve_format(
     scale_bits = meta.get("scale_bits")
     scale_bits = tuple(scale_bits) if isinstance(scale_bits, (list, tuple)) else scale_bits
     block_axes = tuple(sorted(axes.items()))
+    four_over_six = bool(meta.get("four_over_six", False))
+    if four_over_six and (scale_bits != (4, 3) or dynamic):
+        raise ValueError(
+            "block_sizes['four_over_six'] applies to static NVFP4 only: num_bits=(2, 1), block_sizes "
+            f"{{-1: 16, 'type': 'static', 'scale_bits': (4, 3)}}; got block_sizes={dict(block_sizes)!r}"
+        )
     if scale_bits is None:
         if isinstance(bits, int):
             validate_int_bits(bits)
@@ -183,12 +208,13 @@ def resolve_format(
     _reject_int_flags(unsigned, narrow_range, bits)
     last_axis_only = list(axes) == [-1]
     if scale_bits == (4, 3):
-        if bits != (2, 1) or not last_axis_only or not dynamic:
+        if bits != (2, 1) or not last_axis_only:
             raise ValueError(
                 f"scale_bits=(4, 3) is NVFP4 and needs num_bits=(2, 1) and block_sizes "
-                f"{{-1: 16, 'type': 'dynamic'}}; got num_bits={num_bits!r}, block_sizes={dict(block_sizes)!r}"
+                f"{{-1: 16, 'type': 'dynamic' or 'static'}}; got num_bits={num_bits!r}, "
+                f"block_sizes={dict(block_sizes)!r}"
             )
-        return FormatSpec("nvfp4", bits, None, block_axes, True)
+        return FormatSpec("nvfp4", bits, None, block_axes, dynamic, four_over_six=four_over_six)
     if scale_bits == (8, 0):
         if bits not in MX_ELEMENTS or not last_axis_only or not dynamic:
             raise ValueError(

@@ -188,7 +188,7 @@ def try_fake_quant(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None)
         return None
     if spec.kind == "nvfp4":
         bs = spec.block_axes[0][1]
-        if amax is None or bs is None or x.shape[-1] % bs or amax.numel() != 1:
+        if amax is None or bs is None or x.shape[-1] % bs or amax.numel() != 1 or spec.static_nvfp4:
             return None
         return nvfp4_rows(x, amax, bs)
     if spec.kind not in ("int", "fp8") or spec.unsigned:

@@ -37,25 +37,12 @@ ALLOWED_ATTRIBUTE_KEYS = sorted(
 )
 
 
-def _check_reference_only(where: str, cfg: Mapping[str, Any], blocks: Mapping[Any, Any] | None) -> None:
+def _check_reference_only(where: str, cfg: Mapping[str, Any]) -> None:
     for key, (default, instead) in _DEFAULT_ONLY.items():
         if key in cfg and cfg[key] != default:
             raise UnsupportedFeatureError(
                 f"{where}: {key}={cfg[key]!r} is not supported (only {default!r}): {instead}"
             )
-    if blocks is None:
-        return
-    if "four_over_six" in blocks:
-        raise UnsupportedFeatureError(
-            f"{where}: block_sizes four_over_six (adaptive 4-or-6 NVFP4 block scales, "
-            "NVFP4_FOUR_OVER_SIX_CFG) is not supported; use NVFP4_DEFAULT_CFG"
-        )
-    if blocks.get("type", "static") == "static" and tuple(blocks.get("scale_bits") or ()) == (4, 3):
-        raise UnsupportedFeatureError(
-            f"{where}: static NVFP4 block scales (block_sizes type 'static' with scale_bits (4, 3), used by "
-            "the reference's MSE / local-Hessian NVFP4 weight presets) are not supported; use "
-            "'type': 'dynamic' (NVFP4_DEFAULT_CFG), optionally with algorithm 'mse'"
-        )
 
 
 def quantizer_attributes(
@@ -74,8 +61,7 @@ def quantizer_attributes(
     for key, types in _INERT.items():
         if key in cfg and not isinstance(cfg[key], types):
             raise TypeError(f"{where}: {key}={cfg[key]!r} has the wrong type")
-    blocks = out.get("block_sizes")
-    _check_reference_only(where, cfg, blocks if isinstance(blocks, Mapping) else None)
+    _check_reference_only(where, cfg)
     if isinstance(out.get("num_bits"), list):
         out["num_bits"] = tuple(out["num_bits"])
     kind = cfg.get("type", "static")

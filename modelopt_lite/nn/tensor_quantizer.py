@@ -27,7 +27,7 @@ from .calibrators import Calibrator, make_calibrator
 __all__ = ["QuantizerAttributes", "TensorQuantizer"]
 
 _BACKWARDS = ("pass_through", "clipped")
-_OPTIONAL_BUFFERS = ("_amax", "_pre_quant_scale")
+_OPTIONAL_BUFFERS = ("_amax", "_pre_quant_scale", "_global_amax")
 
 
 @dataclass(frozen=True)
@@ -85,6 +85,7 @@ class TensorQuantizer(nn.Module):
         self.register_buffer("_amax", None)
         self._scalar_amax = False  # a learnable per-tensor amax, stored with shape (1,)
         self.register_buffer("_pre_quant_scale", None)
+        self.register_buffer("_global_amax", None)  # static NVFP4: the per-tensor amax next to the block amax
         self._quant_enabled = True
         self._calib_enabled = False
         self._calibrator: Calibrator = make_calibrator("max", self._spec, name)
@@ -203,6 +204,8 @@ class TensorQuantizer(nn.Module):
     def _store_amax(self, value: torch.Tensor | None) -> None:
         """Set ``_amax``: a buffer, or a Parameter with ``learn_amax``. A Parameter of the same shape is
         updated in place, so that an optimizer that holds it keeps training the new values."""
+        if value is None:
+            self._global_amax = None
         if value is None or not self._attrs.learn_amax:
             self._scalar_amax = False
             if "_amax" in self._parameters:
@@ -220,6 +223,20 @@ class TensorQuantizer(nn.Module):
             return
         device = current.device if current is not None else value.device
         self._amax = nn.Parameter(value.detach().to(device=device, dtype=torch.float32), requires_grad=True)
+
+    @property
+    def global_amax(self) -> torch.Tensor | None:
+        """Static NVFP4's per-tensor amax (float32 scalar), set by calibration to the largest block amax and
+        kept when a search (MSE) changes the block amax; ``None`` otherwise (then the largest block amax)."""
+        return self._global_amax
+
+    @global_amax.setter
+    def global_amax(self, value: torch.Tensor | float | None) -> None:
+        if value is not None:
+            value = torch.as_tensor(value, dtype=torch.float32).detach().clone().reshape(())
+            if not bool(torch.isfinite(value)) or bool(value < 0):
+                raise ValueError(f"{self.name}: global_amax must be finite and non-negative")
+        self._global_amax = value
 
     @property
     def pre_quant_scale(self) -> torch.Tensor | None:
@@ -277,6 +294,8 @@ class TensorQuantizer(nn.Module):
                 "run a forward pass over calibration data or disable the quantizer"
             )
         self._store_amax(amax.float())
+        if self._spec.static_nvfp4:
+            self._global_amax = amax.float().amax()
 
     def calibrate(self, x: torch.Tensor) -> TensorQuantizer:
         """Set ``amax`` from ``x`` alone (e.g. a weight): reset, collect ``x``, load the result."""
@@ -315,7 +334,8 @@ class TensorQuantizer(nn.Module):
         try:
             if self._attrs.learn_amax:
                 return fake_quant_learnable(x, self._spec, self._amax)
-            return fake_quant(x, self._spec, self._amax, clip_gradient=self._attrs.backward == "clipped")
+            clip = self._attrs.backward == "clipped"
+            return fake_quant(x, self._spec, self._amax, clip, self._global_amax)
         except ValueError as err:
             raise ValueError(f"{self.name}: {err}") from None
 

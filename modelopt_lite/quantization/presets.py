@@ -115,9 +115,10 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 #: The reference's other model presets: whole-model ones in further formats and algorithms, presets scoped to
-#: some layers (MLP, experts, Mamba-MoE), and those whose format or algorithm this library does not
-#: implement (four-over-six NVFP4, static NVFP4 scales, SVDQuant, local Hessian): they exist, and quantizing
-#: with them raises :class:`~.config.UnsupportedFeatureError` (a ``NotImplementedError``) naming what to use.
+#: some layers (MLP, experts, Mamba-MoE), static NVFP4 block scales (four-over-six, the MSE FP8 sweep), and
+#: those whose algorithm this library does not implement (SVDQuant, local Hessian): they exist, and
+#: quantizing with them raises :class:`~.config.UnsupportedFeatureError` (a ``NotImplementedError``) naming
+#: what to use.
 EXTRA_PRESETS: dict[str, dict[str, Any]] = {
     "FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG": _model(
         {"num_bits": (4, 3), "axis": None, "block_sizes": {-1: 128, -2: 128}}

@@ -12,8 +12,9 @@
   forward computations without autograd.
 
 The ONNX-only arguments (``trt_high_precision_dtype``, ``block_size`` / ``axis`` of ``fake_tensor_quant``,
-``onnx_quantizer_type``) are accepted and change nothing. A ``bias`` (affine quantization) and the static
-NVFP4 block kernel raise :class:`~.config.UnsupportedFeatureError`.
+``onnx_quantizer_type``) are accepted and change nothing. A ``bias`` (affine quantization) raises
+:class:`~.config.UnsupportedFeatureError`. :func:`static_blockwise_fp4_fake_quant` is static NVFP4 (a
+calibrated amax per block, four-over-six with ``fp8_max_for_normalization=256``).
 """
 
 from __future__ import annotations
@@ -208,12 +209,42 @@ def fp4_cast_ste(x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch
     return out if out_dtype is None else out.to(out_dtype)
 
 
-def static_blockwise_fp4_fake_quant(*args: Any, **kwargs: Any) -> torch.Tensor:
-    """The reference's static NVFP4 block kernel: not implemented (block scales are dynamic here)."""
-    raise UnsupportedFeatureError(
-        "static_blockwise_fp4_fake_quant: static NVFP4 block scales are not implemented; use "
-        "dynamic_block_quant(x, 16, global_amax, None, (2, 1), (4, 3))"
-    )
+def static_blockwise_fp4_fake_quant(
+    x: torch.Tensor,
+    amax: torch.Tensor,
+    global_amax: torch.Tensor | None = None,
+    quantize_block_scales: bool = True,
+    fp8_max_for_normalization: float = 448.0,
+    out_dtype: torch.dtype | None = None,
+    pass_through_bwd: bool = False,
+) -> torch.Tensor:
+    """Static NVFP4: ``amax`` holds one calibrated amax per block of ``x.numel() // amax.numel()`` elements
+    along the last dimension, ``global_amax`` the per-tensor amax (``None``: the largest block amax);
+    ``fp8_max_for_normalization`` 448, or 256 for four-over-six. The backward passes the gradient where
+    ``|x|`` is within its block amax (everywhere with ``pass_through_bwd=True``)."""
+    if not quantize_block_scales:
+        raise UnsupportedFeatureError(
+            "static_blockwise_fp4_fake_quant(quantize_block_scales=False) (unquantized block scales) is not "
+            "implemented; use the FP8 block scales (quantize_block_scales=True)"
+        )
+    if fp8_max_for_normalization not in (448.0, 256.0):
+        raise ValueError(f"fp8_max_for_normalization={fp8_max_for_normalization!r} (allowed: 448, 256)")
+    amax = torch.as_tensor(amax)
+    block = x.numel() // max(amax.numel(), 1)
+    if block == 0 or block * amax.numel() != x.numel() or x.shape[-1] % block:
+        raise ValueError(
+            f"x {tuple(x.shape)} does not split into {amax.numel()} blocks along its last dimension"
+        )
+    blocks = {
+        -1: block,
+        "type": "static",
+        "scale_bits": (4, 3),
+        "four_over_six": fp8_max_for_normalization == 256,
+    }
+    spec = resolve_format((2, 1), None, blocks)
+    global_amax = None if global_amax is None else torch.as_tensor(global_amax)
+    out = fake_quant(x, spec, amax.reshape(-1, 1), not pass_through_bwd, global_amax)
+    return out if out_dtype is None else out.to(out_dtype)
 
 
 def _autograd_name(name: str, fn: Callable[..., torch.Tensor]) -> type:

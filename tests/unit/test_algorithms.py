@@ -150,7 +150,7 @@ def test_algorithm_options_are_validated():
     for algorithm, match in [({"method": "gptq", "blocksize": 64}, "unknown option"),
                              ({"method": "awq_lite", "alpha_step": 0}, "alpha_step"),
                              ({"method": "smoothquant", "alpha": 2}, "alpha"),
-                             ({"method": "mse", "fp8_scale_sweep": True}, "not implemented")]:  # fmt: skip
+                             ({"method": "mse", "fp8_sweep": True}, "unknown option")]:  # fmt: skip
         cfg = {"quant_cfg": [{"quantizer_name": "*", "cfg": {"num_bits": 8}}], "algorithm": algorithm}
         with pytest.raises((ValueError, NotImplementedError), match=match):
             mtq.quantize(_layer(), cfg, x)

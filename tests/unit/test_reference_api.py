@@ -40,10 +40,8 @@ UNSUPPORTED_PRESETS = {
     "FP8_AFFINE_KV_CFG": "affine",
     "NVFP4_AFFINE_KV_CFG": "affine",
     "NVFP4_KV_ROTATE_CFG": "rotat",
-    "NVFP4_FOUR_OVER_SIX_CFG": "four_over_six",
     "NVFP4_SVDQUANT_DEFAULT_CFG": "svdquant",
-    "NVFP4_W4A4_WEIGHT_LOCAL_HESSIAN_CFG": "static NVFP4",
-    "NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG": "static NVFP4",
+    "NVFP4_W4A4_WEIGHT_LOCAL_HESSIAN_CFG": "local_hessian",
 }
 
 MTQ_FUNCTIONS = {  # name -> the reference's parameter names
@@ -205,8 +203,8 @@ REFUSED = [
     (lambda: mte.export_tensorrt_llm_checkpoint(nn.Linear(2, 2), "llama"), "export_hf_checkpoint"),
     (lambda: mte.export_mcore_gpt_to_hf(nn.Linear(2, 2), "x"), "transformers model"),
     (
-        lambda: tensor_quant.static_blockwise_fp4_fake_quant(torch.ones(16), torch.ones(1)),
-        "dynamic_block_quant",
+        lambda: tensor_quant.static_blockwise_fp4_fake_quant(torch.ones(16), torch.ones(1), None, False),
+        "quantize_block_scales=True",
     ),
     (lambda: tensor_quant.fake_tensor_quant(torch.ones(4), torch.ones(()), torch.zeros(4)), "bias=None"),
 ]

@@ -43,9 +43,9 @@ _WHAT: dict[str, str] = {
     "SVDQuantLinear": "SVDQuant is not implemented; use algorithm 'awq_lite'",
     "GroupedQuantizer": "grouped quantizers are not implemented: fused MoE experts get one quantizer per "
     "expert",
-    "NVFP4StaticQuantizer": "static NVFP4 block scales are not implemented; NVFP4 block scales are dynamic",
-    "StaticBlockScaleQuantizer": "static NVFP4 block scales are not implemented; NVFP4 block scales are "
-    "dynamic",
+    "NVFP4StaticQuantizer": "use TensorQuantizer with block_sizes type 'static' and scale_bits (4, 3) "
+    "(static NVFP4: amax per block, global_amax)",
+    "StaticBlockScaleQuantizer": "use TensorQuantizer with static block_sizes (INT blocks, or static NVFP4)",
     "HardDisabledTensorQuantizer": "use TensorQuantizer(...) and quantizer.disable()",
     "TensorQuantizerCache": "not implemented; quantizers hold no cache",
 }

@@ -82,7 +82,7 @@ def nvfp4_static_fake_quant(
     fp8_max: float = FP8_MAX,
     block_size: int = NVFP4_BLOCK,
 ) -> torch.Tensor:
-    """NVFP4 fake quantization with calibrated (static) block amax, NUMERICS.md "Static NVFP4".
+    """NVFP4 fake quantization with a calibrated (static) amax per block.
 
     ``block_amax`` holds one amax per block of ``block_size`` along the last axis (any shape with that many
     elements); ``global_amax`` is the per-tensor amax. The block scale ``block_amax / 6`` is cast to FP8-E4M3

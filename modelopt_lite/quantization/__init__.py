@@ -15,16 +15,11 @@ from ..nn import QUANT_MODULES, QuantModule, SequentialQuantizer, TensorQuantize
 from . import awq, calib, config_models, gptq, mse, nn, smoothquant, tensor_quant  # noqa: F401
 from .calibrate import calibrate, check_calibrated, register_algorithm, run_forward_loop
 from .compat import (
-    auto_quantize,
-    compress,
     compute_quantization_mse,
     find_quant_cfg_entry_by_path,
-    get_auto_quantize_config,
     normalize_quant_cfg_list,
     postprocess_amax,
     preserve_quantizer_attributes_context,
-    register_attention_for_kv_quant,
-    register_quant_backend,
     replace_quant_module,
     set_quantizer_attribute,
     set_quantizer_attributes_full,
@@ -51,6 +46,13 @@ from .model_quant import (
 from .presets import EXTRA_PRESETS, KV_PRESETS, PRESETS, get_preset, preset_names, with_kv_cache
 from .recipes import Recipe, list_recipes, load_recipe
 from .rotation import rotate_residual
+from .unsupported import (
+    auto_quantize,
+    compress,
+    get_auto_quantize_config,
+    register_attention_for_kv_quant,
+    register_quant_backend,
+)
 
 register = QUANT_MODULES.register
 unregister = QUANT_MODULES.unregister

@@ -6,9 +6,7 @@ quantizer's dotted name (per-expert indices folded, as in config rules) or a fun
 given in the reference's vocabulary (a dict or a :class:`~.config_models.QuantizerAttributeConfig`) and
 validated by the same checks as config rules.
 
-What the reference has and this library deliberately does not (``auto_quantize``, ``compress``, custom
-quantization backends, attention classes rewritten from their source) exists under its name and raises
-:class:`~.config.UnsupportedFeatureError` (a ``NotImplementedError``) naming what to use instead.
+What the reference has and this library deliberately does not is in :mod:`.unsupported`.
 """
 
 from __future__ import annotations
@@ -35,24 +33,17 @@ from .model_quant import fold_weight, quant_state, set_quantizer_by_cfg
 from .presets import with_kv_cache
 
 __all__ = [
-    "auto_quantize",
-    "compress",
     "compute_quantization_mse",
     "find_quant_cfg_entry_by_path",
-    "get_auto_quantize_config",
-    "is_registered_quant_backend",
     "normalize_quant_cfg_list",
     "postprocess_amax",
     "preserve_quantizer_attributes_context",
-    "register_attention_for_kv_quant",
-    "register_quant_backend",
     "replace_quant_module",
     "set_quantizer_attribute",
     "set_quantizer_attributes_full",
     "set_quantizer_attributes_partial",
     "set_quantizer_by_cfg_context",
     "temporarily_fold_weights",
-    "unregister_quant_backend",
     "update_quant_cfg_with_kv_cache_quant",
 ]
 
@@ -346,92 +337,3 @@ def replace_quant_module(model: nn.Module, version: Any = None, registry: Any = 
         )
     insert_quantizers(model)
     return model
-
-
-# ---------------------------------------------------------------------------------------- not implemented
-def auto_quantize(
-    model: nn.Module,
-    constraints: dict[str, Any] | None = None,
-    quantization_formats: list[dict[str, Any] | str] | None = None,
-    data_loader: Any = None,
-    forward_step: Any = None,
-    loss_func: Any = None,
-    forward_backward_step: Any = None,
-    disabled_layers: list[str] | str | None = None,
-    num_calib_steps: int = 512,
-    num_score_steps: int = 128,
-    verbose: bool = False,
-    method: str = "gradient",
-    checkpoint: str | None = None,
-    module_search_spaces: list[dict[str, Any]] | None = None,
-    fixed_quantization_config: dict[str, Any] | str | None = None,
-) -> Any:
-    """The reference's per-layer format search under an effective-bits constraint: not implemented."""
-    raise UnsupportedFeatureError(
-        "mtq.auto_quantize (a per-layer search over formats under an effective-bits constraint) is not "
-        "implemented; quantize with one preset, mtq.quantize(model, mtq.NVFP4_DEFAULT_CFG, forward_loop), "
-        "and "
-        "keep sensitive layers in high precision with rules such as "
-        "{'quantizer_name': '*layers.0.*', 'enable': False} appended to its quant_cfg"
-    )
-
-
-def get_auto_quantize_config(search_state: Any, constraints: Any = None, verbose: bool = False) -> Any:
-    """The config an ``auto_quantize`` search chose: not implemented (there is no search)."""
-    raise UnsupportedFeatureError(
-        "mtq.get_auto_quantize_config: mtq.auto_quantize is not implemented, so there is no search state; "
-        "write the config as a preset plus rules"
-    )
-
-
-def compress(model: nn.Module, config: Any = None) -> nn.Module:
-    """The reference's in-memory real low-bit weights: not implemented yet (planned in a later issue)."""
-    raise UnsupportedFeatureError(
-        "mtq.compress (real low-bit weights held in memory) is not implemented yet (planned in a later "
-        "issue); "
-        "modelopt_lite.export.export_hf_checkpoint writes the real quantized weights, and mtq.fold_weight "
-        "bakes "
-        "the fake-quantized values into the weights"
-    )
-
-
-def register_quant_backend(name: str, entrypoint: Callable[..., torch.Tensor]) -> None:
-    """The reference's custom fake-quant backends: not implemented (the built-in fake quant runs on every
-    device, with Triton kernels on CUDA)."""
-    raise UnsupportedFeatureError(
-        f"register_quant_backend({name!r}): custom quantization backends are not implemented; the built-in "
-        "fake "
-        "quant (modelopt_lite.formats) covers INT, FP8, NVFP4 and MX; a new format is a new formats module"
-    )
-
-
-def unregister_quant_backend(name: str) -> None:
-    """No backend is ever registered (see :func:`register_quant_backend`)."""
-    raise UnsupportedFeatureError(
-        f"unregister_quant_backend({name!r}): custom quantization backends are not implemented"
-    )
-
-
-def is_registered_quant_backend(name: str) -> bool:
-    """Always ``False``: custom backends are not implemented."""
-    return False
-
-
-def register_attention_for_kv_quant(attention_cls: type) -> bool:
-    """``True`` when ``attention_cls`` already gets KV-cache quantizers: every transformers attention class
-    that calls ``ALL_ATTENTION_FUNCTIONS`` does (see :mod:`modelopt_lite.nn.kv_attention`). The reference
-    rewrites other classes from their source code, which this library does not do: they raise, naming what
-    to write."""
-    if not (isinstance(attention_cls, type) and issubclass(attention_cls, nn.Module)):
-        raise TypeError(f"attention_cls must be an nn.Module subclass, got {attention_cls!r}")
-    if attention_cls in QUANT_MODULES:
-        return True
-    raise UnsupportedFeatureError(
-        f"register_attention_for_kv_quant({attention_cls.__qualname__}): this class does not call "
-        "transformers' "
-        "attention interface and classes are not rewritten from their source here; write a quantized class "
-        "whose "
-        "_setup adds k_bmm_quantizer / v_bmm_quantizer (TensorQuantizer) and whose forward applies them to "
-        "the "
-        "keys and values, and register it with mtq.register(original_cls=..., quantized_cls=...)"
-    )

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from ...nn import QUANT_MODULES, QuantLinear, QuantModule, SequentialQuantizer, TensorQuantizer
 from ...nn.errors import unsupported_class
-from ..compat import is_registered_quant_backend, register_quant_backend, unregister_quant_backend
 from ..tensor_quant import QUANT_DESC_8BIT_PER_TENSOR
+from ..unsupported import is_registered_quant_backend, register_quant_backend, unregister_quant_backend
 
 QuantModuleRegistry = QUANT_MODULES
 Linear = QuantLinear

@@ -26,6 +26,8 @@ Rows. PTQ (fake quant, calibrated on the same windows):
 * ``w4a16_nvfp4``: NVFP4 weights only, ``a_nvfp4``: NVFP4 activations (and FP8 KV) only: the two parts of
   the nvfp4 gap;
 * ``nvfp4_rot``: nvfp4 after ``mtq.rotate_residual`` (residual-stream rotation folded into the weights);
+* ``nvfp4_46``: ``NVFP4_FOUR_OVER_SIX_CFG`` (static weight block scales, each block's scale 4 or 6 x its
+  maximum, whichever has the smaller error) with FP8 KV cache: the adaptive-block-scale lever;
 * ``int4``: INT4 block-128 weight-only (max), ``int4_awq``: the same with AWQ (``INT4_AWQ_CFG``);
 * ``nvfp4_nokv``: ``NVFP4_DEFAULT_CFG`` as it is (W4A4, KV cache unquantized), ``fp8``: ``FP8_DEFAULT_CFG``
   (W8A8 FP8, per-tensor amax): the formats of the side-by-side with the peers (``benchmarks/peers.py``).
@@ -40,8 +42,9 @@ cosine to 0, gradient clipping 1.0. Seeds (``--seeds``) set the data order and t
 the first seed runs every training row, the others only the ``--seeded-rows``. ``--budgets`` adds
 ``qat nvfp4`` / ``qad nvfp4`` / ``ft`` at each step count (first seed only): is recovery still rising?
 
-Recovery, per split (a row that starts from a lever's PTQ row, ``nvfp4_rot`` / ``nvfp4_awq`` / ``int4_awq``,
-is measured against the gap of the plain format's PTQ row, ``nvfp4`` / ``int4``: ``gap_of`` in the JSON):
+Recovery, per split (a row that starts from a lever's PTQ row, ``nvfp4_rot`` / ``nvfp4_awq`` / ``nvfp4_46``
+/ ``int4_awq``, is measured against the gap of the plain format's PTQ row, ``nvfp4`` / ``int4``: ``gap_of``
+in the JSON):
 
 * QAD: ``(ppl_ptq - ppl_qad) / (ppl_ptq - ppl_unquantized)``: the share of the gap to the teacher closed;
 * QAT: ``(ppl_ptq - ppl_qat) / (ppl_ptq - ppl_ft)``: the share of the gap to the unquantized model
@@ -70,6 +73,7 @@ PTQ_ROWS = (
     "w4a16_nvfp4",
     "a_nvfp4",
     "nvfp4_rot",
+    "nvfp4_46",
     "int4",
     "int4_awq",
     "nvfp4_nokv",
@@ -83,6 +87,8 @@ TRAIN_ROWS: dict[str, tuple[str, str, bool]] = {
     "qad a_nvfp4": ("qad", "a_nvfp4", False),
     "qad nvfp4_rot": ("qad", "nvfp4_rot", False),
     "qad nvfp4_awq": ("qad", "nvfp4_awq", False),
+    "qat nvfp4_46": ("qat", "nvfp4_46", False),
+    "qad nvfp4_46": ("qad", "nvfp4_46", False),
     "qat int4": ("qat", "int4", False),
     "qad int4": ("qad", "int4", False),
     "qad int4 +la": ("qad", "int4", True),
@@ -104,7 +110,7 @@ DEFAULT_TRAIN = (
     "qat int4",
 )
 # PTQ rows that apply a lever to a plain format -> that format (recovery is measured against its gap)
-LEVER_OF = {"nvfp4_rot": "nvfp4", "nvfp4_awq": "nvfp4", "int4_awq": "int4"}
+LEVER_OF = {"nvfp4_rot": "nvfp4", "nvfp4_awq": "nvfp4", "nvfp4_46": "nvfp4", "int4_awq": "int4"}
 TARGETS = {"qat nvfp4": 0.70, "qad nvfp4": 0.85}
 MODELS = ("bench-dense", "bench-moe", "dense", "moe")
 CALIB_SEQ, CALIB_BATCH = 256, 4
@@ -233,6 +239,8 @@ def ptq_config(row: str) -> dict[str, Any]:
         return build_config("nvfp4", "fp8")
     if row == "nvfp4_awq":
         return build_config("nvfp4_awq", "fp8")
+    if row == "nvfp4_46":
+        return mtq.with_kv_cache(mtq.get_preset("NVFP4_FOUR_OVER_SIX_CFG"), "FP8_KV_CFG")
     if row == "nvfp4_nokv":
         return build_config("nvfp4")
     if row == "w4a16_nvfp4":

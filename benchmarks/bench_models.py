@@ -23,9 +23,10 @@ Data (the default corpus, tokenized with the model's own tokenizer, ``bos text e
   ``gap = ppl_ptq / ppl - 1`` on validation (and on test);
 * fine-tune: ``--ft-steps`` (200) more AdamW steps (betas 0.9 / 0.95, weight decay 0, gradient clipping
   1.0, seed 0) on batches of ``--ft-batch`` (4) random windows of ``--ft-seq`` (128) tokens of the training
-  split, lr cosine from ``--ft-lr`` (default: the final lr of the model's own schedule, ``lr *
-  min_lr_ratio``) to 0; ``ft gain`` = the relative validation perplexity improvement (below 0.5%: the model
-  is near convergence; negative: more training makes it worse).
+  split, lr cosine from ``--ft-lr`` to 0 (default 1e-4: the lr of ``benchmarks/accuracy.py``'s rows and of
+  its fine-tuning control, so this is the gain that control would show); ``ft gain`` = the relative
+  validation perplexity improvement (below 0.5%: the model is near convergence; negative: more training
+  makes it worse).
 
 Threads: ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` are set to ``--threads`` before torch is imported.
 """
@@ -53,7 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ft-steps", type=int, default=200, help="fine-tuning steps (0: skip)")
     p.add_argument("--ft-batch", type=int, default=4)
     p.add_argument("--ft-seq", type=int, default=128)
-    p.add_argument("--ft-lr", type=float, default=None, help="default: the model's final pretraining lr")
+    p.add_argument("--ft-lr", type=float, default=1e-4, help="the accuracy study's lr (its ft control)")
     p.add_argument("--checkpoint", action="append", default=[], metavar="KIND=DIR",
                    help="measure DIR instead of the cached model of KIND")  # fmt: skip
     p.add_argument("--json", default=None, help="write the results here")
@@ -126,7 +127,7 @@ def measure(model: Any, tokenizer: Any, spec: Any, args: argparse.Namespace) -> 
         row[f"{name}_val_gap"], row[f"{name}_test_gap"] = val / row["val_ppl"] - 1, test / row["test_ppl"] - 1
         del quantized
     if args.ft_steps:
-        lr = args.ft_lr if args.ft_lr is not None else spec.lr * spec.min_lr_ratio
+        lr = args.ft_lr
         after, gain = fine_tune_gain(model, train_ids, val_ids, seq_len, steps=args.ft_steps, lr=lr,
                                      batch=args.ft_batch, seq=args.ft_seq)  # fmt: skip
         row.update(ft_lr=lr, ft_val_ppl=after, ft_gain=gain)

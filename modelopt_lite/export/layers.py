@@ -129,6 +129,16 @@ def detect_format(name: str, wq: Quantizer | None, iq: TensorQuantizer | None) -
     return algo
 
 
+def _unstored_transform(q: nn.Module) -> str | None:
+    """What of an FP8 KV quantizer an export cannot write: a rotation (the reference writes nothing of it),
+    a dynamic bias (only a calibrated one is written, as ``k_bias`` / ``v_bias``)."""
+    if q.attributes.rotation() is not None:
+        return "a Hadamard rotation (rotate=True)"
+    if q.bias_calibrator is not None and q.bias_value is None:
+        return f"a bias with no calibrated value (bias={q.attributes.bias!r})"
+    return None
+
+
 def kv_cache_format(name: str, module: nn.Module) -> str | None:
     """``"FP8"`` when the attention module's KV quantizers are FP8 per tensor, ``None`` when both are off."""
     quantizers = [getattr(module, s) for s in ("k_bmm_quantizer", "v_bmm_quantizer")]
@@ -139,6 +149,12 @@ def kv_cache_format(name: str, module: nn.Module) -> str | None:
             raise UnsupportedFormatError(
                 f"{name}: KV cache {q.name.rpartition('.')[2]} is {_describe(q)}; the export writes an FP8 "
                 "per-tensor KV cache (k_scale / v_scale) only: use FP8_KV_CFG or disable the KV quantizers"
+            )
+        unstored = _unstored_transform(q)
+        if unstored:
+            raise UnsupportedFormatError(
+                f"{name}: KV cache {q.name.rpartition('.')[2]} has {unstored}, which the checkpoint format "
+                "cannot record (engines would read the cache without it): export without it"
             )
     if not hasattr(module, "k_proj") or not hasattr(module, "v_proj"):
         raise UnsupportedFormatError(

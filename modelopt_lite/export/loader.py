@@ -5,7 +5,8 @@ API (``register_quantization_config`` / ``register_quantizer``), so ``AutoModelF
 (export_dir)`` works. The quantizer only dequantizes: each layer's stored tensors (``weight``, its scales, an
 unfolded ``pre_quant_scale``) become one dense weight in the loading op that transformers runs before its own
 conversions (so per-expert tensors are dequantized before they are merged into fused experts).
-``input_scale`` / ``k_scale`` / ``v_scale`` are dropped: the loaded model computes with dense activations.
+``input_scale`` / ``k_scale`` / ``v_scale`` (and an affine KV cache's ``k_bias`` / ``v_bias``) are dropped:
+the loaded model computes with dense activations.
 
 :func:`load_hf_checkpoint` adds the checks of ``hf_quant_config.json`` (missing or malformed: a clear error).
 """
@@ -37,6 +38,7 @@ __all__ = ["ModeloptExportConfig", "ModeloptExportQuantizer", "dequantize_layer"
 
 logger = get_logger(__name__)
 _COMPANIONS = ("weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale", "k_scale", "v_scale")
+_COMPANIONS += ("k_bias", "v_bias")  # an affine KV cache
 
 
 class ModeloptExportConfig(QuantizationConfigMixin):

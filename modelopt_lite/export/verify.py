@@ -2,7 +2,7 @@
 
 * every enabled weight quantizer's layer is stored quantized (its format's dtype and exact packed size),
   every enabled static input quantizer has its ``input_scale``, every FP8 KV quantizer its ``k_scale`` /
-  ``v_scale``;
+  ``v_scale`` (and ``k_bias`` / ``v_bias`` when affine);
 * the on-disk size of the quantized layers (weight and weight scales) is what the format implies
   (e.g. NVFP4 about 0.28x of bf16);
 * no scale is NaN, inf or zero (an E8M0 scale byte is never 255, its NaN).
@@ -81,6 +81,8 @@ def _expected(model: nn.Module) -> tuple[dict[str, tuple[int, int]], set[str]]:
                 scales.add(f"{owner}.input_scale")
         elif slot in ("k_bmm_quantizer", "v_bmm_quantizer"):
             scales.add(f"{owner}.{slot[0]}_proj.{slot[0]}_scale")
+            if q.bias_value is not None:  # an affine KV cache
+                scales.add(f"{owner}.{slot[0]}_proj.{slot[0]}_bias")
     return layers, scales
 
 

@@ -203,8 +203,11 @@ def _stream_tensors(
             write_module(m)
     kv = {}
     for name, attn in kv_attention:
-        kv[f"{name}.k_proj.k_scale"] = scale_of_amax(attn.k_bmm_quantizer.amax.reshape(()), 448.0)
-        kv[f"{name}.v_proj.v_scale"] = scale_of_amax(attn.v_bmm_quantizer.amax.reshape(()), 448.0)
+        for x in "kv":
+            q = getattr(attn, f"{x}_bmm_quantizer")
+            kv[f"{name}.{x}_proj.{x}_scale"] = scale_of_amax(q.amax.reshape(()), 448.0)
+            if q.bias_value is not None:  # an affine KV cache: the bias as the reference writes it
+                kv[f"{name}.{x}_proj.{x}_bias"] = q.bias_value.to(dtype or model_dtype)
     if kv:
         with _together("export: KV-cache scales", collective):
             emit(kv)

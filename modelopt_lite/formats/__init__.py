@@ -4,6 +4,7 @@ estimator, E2M1 packing, and Triton kernels used automatically on CUDA tensors."
 from ._blocks import BlockLayout
 from .fp8 import fp8_fake_quant
 from .functional import fake_quant, fake_quant_reference, reduce_amax, reduce_axes, reduce_like_amax
+from .hadamard import hadamard_block_size, hadamard_matrix, hadamard_transform
 from .integer import int_bounds, int_fake_quant
 from .learnable import fake_quant_learnable, learnable_amax_error
 from .mx import mx_fake_quant, mx_scale_exponent
@@ -27,6 +28,9 @@ __all__ = [
     "fake_quant_learnable",
     "fake_quant_reference",
     "fp8_fake_quant",
+    "hadamard_block_size",
+    "hadamard_matrix",
+    "hadamard_transform",
     "int_bounds",
     "int_fake_quant",
     "learnable_amax_error",

@@ -25,8 +25,6 @@ _OURS = {f.name for f in fields(QuantizerAttributes)} - {"enable"}
 _INERT = {"effective_bits": (int, float, type(None)), "trt_high_precision_dtype": (str,)}
 # Reference attributes whose non-default values we do not implement, with what to use instead.
 _DEFAULT_ONLY: dict[str, tuple[Any, str]] = {
-    "bias": (None, "affine (biased) KV-cache quantization is not implemented; use FP8_KV_CFG / NVFP4_KV_CFG"),
-    "rotate": (False, "Hadamard rotation of a quantizer's input is not implemented; use mtq.rotate_residual"),
     "backend": (None, "custom quantization backends are not implemented; the fake quant is built in"),
     "backend_extra_args": (None, "custom quantization backends are not implemented"),
     "use_constant_amax": (False, "a constant amax is not implemented; set quantizer.amax after quantize"),
@@ -35,6 +33,10 @@ _DEFAULT_ONLY: dict[str, tuple[Any, str]] = {
 ALLOWED_ATTRIBUTE_KEYS = sorted(
     _OURS | set(_INERT) | set(_DEFAULT_ONLY) | {"type", "pass_through_bwd", "enable"}
 )
+
+
+def _int_key(key: Any) -> Any:
+    return int(key) if isinstance(key, str) and key.lstrip("-").isdigit() else key
 
 
 def _check_reference_only(where: str, cfg: Mapping[str, Any]) -> None:
@@ -62,6 +64,10 @@ def quantizer_attributes(
         if key in cfg and not isinstance(cfg[key], types):
             raise TypeError(f"{where}: {key}={cfg[key]!r} has the wrong type")
     _check_reference_only(where, cfg)
+    if isinstance(out.get("bias"), Mapping):  # axis keys written as strings (JSON) become ints
+        out["bias"] = {_int_key(k): v for k, v in out["bias"].items()}
+    if isinstance(out.get("rotate"), Mapping):  # a RotateConfig, or a dict
+        out["rotate"] = dict(out["rotate"])
     if isinstance(out.get("num_bits"), list):
         out["num_bits"] = tuple(out["num_bits"])
     kind = cfg.get("type", "static")
@@ -72,10 +78,7 @@ def quantizer_attributes(
             raise TypeError(
                 f"{where}: block_sizes={out['block_sizes']!r} must be a mapping such as {{-1: 128}}"
             )
-        blocks = {
-            (int(k) if isinstance(k, str) and k.lstrip("-").isdigit() else k): v
-            for k, v in out["block_sizes"].items()
-        }
+        blocks = {_int_key(k): v for k, v in out["block_sizes"].items()}
         if isinstance(blocks.get("scale_bits"), list):
             blocks["scale_bits"] = tuple(blocks["scale_bits"])
         if kind == "dynamic":

@@ -10,6 +10,20 @@ Every change is validated at once; a bad value raises naming the attribute and t
 (``<quantizer>._amax``) that an optimizer trains: the forward is unchanged, the backward gives the amax an
 LSQ gradient and zeroes the input's gradient where it was clipped (:mod:`modelopt_lite.formats.learnable`).
 It is still calibrated first, saved and restored as the amax buffer is, and exported like any amax.
+
+Two attributes of the reference library transform the input around the quantization:
+
+* ``rotate`` (``True`` or ``{"enable", "mode", "rotate_fp32", "block_size"}``): the input is multiplied by a
+  normalized Hadamard matrix along its last dimension (:func:`~modelopt_lite.formats.hadamard_transform`)
+  before anything else, also when the quantizer is disabled (a disabled ``q_bmm_quantizer`` with
+  ``rotate=True`` rotates the query so that ``q k^T`` is unchanged when the keys are rotated).
+  ``mode="rotate_back"`` rotates the output again (the transform is its own inverse).
+* ``bias`` (affine quantization, e.g. ``{-2: None, -4: None, "type": "static"}``: the integer keys are the
+  axes the bias is reduced over; ``"method"`` ``"mean"`` or ``"max_min"``): the bias is subtracted before the
+  fake quantization and added back after. A static bias is calibrated with the amax (``bias_value``, the
+  ``_bias_value`` buffer; the amax is calibrated on the input minus the bias); a dynamic one is taken from
+  each input. As in the reference, formats with dynamic block scales (NVFP4, MX) quantize the input itself:
+  there the bias only shifts the calibrated amax, and it is exported for the engine.
 """
 
 from __future__ import annotations
@@ -21,13 +35,23 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from ..formats import FormatSpec, fake_quant, fake_quant_learnable, learnable_amax_error, resolve_format
-from .calibrators import Calibrator, make_calibrator
+from ..distributed import is_distributed
+from ..formats import (
+    FormatSpec,
+    fake_quant,
+    fake_quant_learnable,
+    hadamard_block_size,
+    hadamard_transform,
+    learnable_amax_error,
+    resolve_format,
+)
+from .calibrators import BiasCalibrator, Calibrator, bias_settings, make_calibrator
 
 __all__ = ["QuantizerAttributes", "TensorQuantizer"]
 
 _BACKWARDS = ("pass_through", "clipped")
-_OPTIONAL_BUFFERS = ("_amax", "_pre_quant_scale", "_global_amax")
+_OPTIONAL_BUFFERS = ("_amax", "_pre_quant_scale", "_global_amax", "_bias_value")
+_ROTATE_KEYS = {"enable": False, "mode": "rotate", "rotate_fp32": False, "block_size": None}
 
 
 @dataclass(frozen=True)
@@ -46,11 +70,31 @@ class QuantizerAttributes:
     calibrator_options: dict[str, Any] = field(default_factory=dict)
     learn_amax: bool = False
     type: Literal["static", "dynamic"] = "static"  # dynamic: amax taken from each input (axis / blocks)
+    bias: dict[Any, Any] | None = None  # affine quantization (see the module docstring)
+    rotate: bool | dict[str, Any] = False  # Hadamard rotation of the input (see the module docstring)
+
+    def rotation(self) -> dict[str, Any] | None:
+        """The rotation settings (``enable``, ``mode``, ``rotate_fp32``, ``block_size``) when ``rotate`` is
+        on, else ``None``."""
+        rotate = self.rotate
+        if isinstance(rotate, bool):
+            return {**_ROTATE_KEYS, "enable": True} if rotate else None
+        if not isinstance(rotate, Mapping) or set(rotate) - set(_ROTATE_KEYS):
+            raise ValueError(f"rotate={rotate!r}: True, False or a dict with keys {sorted(_ROTATE_KEYS)}")
+        settings = {**_ROTATE_KEYS, **rotate}
+        if settings["mode"] not in ("rotate", "rotate_back"):
+            raise ValueError(f"rotate mode={settings['mode']!r} (allowed: 'rotate', 'rotate_back')")
+        if settings["block_size"] is not None:
+            hadamard_block_size(settings["block_size"], settings["block_size"])  # a power of two
+        return settings if settings["enable"] else None
 
     def spec(self) -> FormatSpec:
         spec = resolve_format(
             self.num_bits, self.axis, self.block_sizes, self.unsigned, self.narrow_range, self.type
         )
+        self.rotation()
+        if self.bias is not None:
+            bias_settings(self.bias)
         if self.learn_amax is not False:
             if self.learn_amax is not True:
                 raise ValueError(f"learn_amax={self.learn_amax!r} must be True or False")
@@ -86,6 +130,9 @@ class TensorQuantizer(nn.Module):
         self._scalar_amax = False  # a learnable per-tensor amax, stored with shape (1,)
         self.register_buffer("_pre_quant_scale", None)
         self.register_buffer("_global_amax", None)  # static NVFP4: the per-tensor amax next to the block amax
+        self.register_buffer("_bias_value", None)  # affine quantization: the calibrated (static) bias
+        self._bias_calibrator: BiasCalibrator | None = None
+        self._rotation: dict[str, Any] | None = None
         self._quant_enabled = True
         self._calib_enabled = False
         self._calibrator: Calibrator = make_calibrator("max", self._spec, name)
@@ -132,7 +179,12 @@ class TensorQuantizer(nn.Module):
         if spec != self._spec:
             self._store_amax(None)  # an amax of another format / granularity means nothing here
         learn_changed = new.learn_amax != self._attrs.learn_amax
+        if new.bias != self._attrs.bias:
+            self._bias_value = None
+            axes, method, _ = bias_settings(new.bias) if new.bias is not None else (None, "mean", None)
+            self._bias_calibrator = BiasCalibrator(method, axes) if new.bias is not None else None
         self._attrs, self._spec, self._calibrator = new, spec, calibrator
+        self._rotation = new.rotation()
         if learn_changed and self._amax is not None:
             self._store_amax(self.amax.detach().clone())  # a buffer becomes a Parameter, or back
         return self
@@ -283,8 +335,54 @@ class TensorQuantizer(nn.Module):
     def calibrator(self) -> Calibrator:
         return self._calibrator
 
+    @property
+    def bias_calibrator(self) -> BiasCalibrator | None:
+        """The calibrator of an affine quantizer's bias (``None`` without ``bias``)."""
+        return self._bias_calibrator
+
+    @property
+    def bias_value(self) -> torch.Tensor | None:
+        """The calibrated bias of an affine quantizer with a static ``bias`` (float32), else ``None``."""
+        return self._bias_value
+
+    @bias_value.setter
+    def bias_value(self, value: torch.Tensor | None) -> None:
+        value = None if value is None else torch.as_tensor(value).detach().to(torch.float32, copy=True)
+        if value is not None and not bool(torch.isfinite(value).all()):
+            raise ValueError(f"{self.name}: bias_value has NaN / inf values")
+        self._bias_value = value
+
+    def reset_bias(self) -> None:
+        self._bias_value = None
+        if self._bias_calibrator is not None:
+            self._bias_calibrator.reset()
+
+    def reset_calibration(self) -> None:
+        """Forget the statistics collected so far (amax and bias calibrators); loaded values stay."""
+        self._calibrator.reset()
+        if self._bias_calibrator is not None:
+            self._bias_calibrator.reset()
+
+    def _static_bias(self) -> bool:
+        return self._bias_calibrator is not None and bias_settings(self._attrs.bias)[2] == "static"
+
+    def load_calib_bias(self) -> None:
+        """Move the bias calibrator's result into ``bias_value`` (an affine quantizer with a static bias)."""
+        if not self._static_bias():
+            return
+        if is_distributed():
+            raise NotImplementedError(
+                f"{self.name}: affine (bias) calibration is not merged across ranks; calibrate in one process"
+            )
+        bias = self._bias_calibrator.compute_bias()
+        if bias is None:
+            raise RuntimeError(f"{self.name}: no data reached this quantizer's bias calibration")
+        self.bias_value = bias
+
     def load_calib_amax(self) -> None:
-        """Move the calibrator's result into the ``amax`` buffer (no-op for formats without amax)."""
+        """Move the calibrator's result into the ``amax`` buffer (no-op for formats without amax), and a
+        static bias into ``bias_value``."""
+        self.load_calib_bias()
         if not self._spec.needs_amax:
             return
         amax = self._calibrator.compute_amax()
@@ -299,26 +397,62 @@ class TensorQuantizer(nn.Module):
 
     def calibrate(self, x: torch.Tensor) -> TensorQuantizer:
         """Set ``amax`` from ``x`` alone (e.g. a weight): reset, collect ``x``, load the result."""
-        self._calibrator.reset()
+        self.reset_calibration()
         if self._spec.needs_amax:
-            x = x if self._pre_quant_scale is None else x * self._pre_quant_scale.to(x.dtype)
-            self._calibrator.collect(x)
+            self._collect(self._transform(x))
             self.load_calib_amax()
         return self
 
-    # ----------------------------------------------------------------------- forward
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # pre_quant_scale (SmoothQuant / AWQ smoothing, folded into the weight) is part of the layer's math:
-        # it applies whether or not this quantizer quantizes.
+    def _transform(self, x: torch.Tensor) -> torch.Tensor:
+        """``pre_quant_scale`` (SmoothQuant / AWQ smoothing, folded into the weight: part of the layer's
+        math), then the rotation; both apply whether or not this quantizer quantizes."""
         if self._pre_quant_scale is not None:
             x = x * self._pre_quant_scale.to(x.dtype)
+        return self._rotate(x)
+
+    def _rotate(self, x: torch.Tensor) -> torch.Tensor:
+        if self._rotation is None:
+            return x
+        try:
+            return hadamard_transform(x, self._rotation["block_size"], self._rotation["rotate_fp32"])
+        except ValueError as err:
+            raise ValueError(f"{self.name}: {err}") from None
+
+    def _collect(self, x: torch.Tensor) -> None:
+        """Calibration: a static bias from ``x``, then the amax of ``x`` minus the bias so far."""
+        if self._static_bias():
+            self._bias_calibrator.collect(x)
+            x = x - self._bias_calibrator.compute_bias()
+        if self._spec.needs_amax:
+            self._calibrator.collect(x)
+
+    def _bias(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The bias subtracted before the fake quantization (``None``: none, or dynamic block scales)."""
+        if self._bias_calibrator is None or (self._spec.kind in ("nvfp4", "mx") and self._spec.dynamic):
+            return None
+        if not self._static_bias():
+            return self._bias_calibrator.compute_dynamic_bias(x)
+        if self._bias_value is None:
+            raise RuntimeError(
+                f"{self.name}: bias={self._attrs.bias!r} has no calibrated bias_value; calibrate it first"
+            )
+        return self._bias_value.to(x.dtype)
+
+    # ----------------------------------------------------------------------- forward
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._quantize(self._transform(x))
+        if self._rotation is not None and self._rotation["mode"] == "rotate_back":
+            out = self._rotate(out)
+        return out
+
+    def _quantize(self, x: torch.Tensor) -> torch.Tensor:
         if not self._attrs.enable or x.numel() == 0:
             return x
         if self._calib_enabled:
             if self._spec.kind == "int" and self._attrs.unsigned and bool((x < 0).any()):
                 raise ValueError(f"{self.name}: unsigned=True quantizer received negative input")
-            if self._spec.needs_amax:
-                self._calibrator.collect(x)
+            if self._attrs.type == "static":
+                self._collect(x)
         if not self._quant_enabled:
             return x
         if not self._attrs.fake_quant:
@@ -331,13 +465,17 @@ class TensorQuantizer(nn.Module):
                 f"{self.name}: {self._spec.name} {self._spec.granularity} has no amax; calibrate it "
                 "first (enable_calib, forward over data, load_calib_amax) or set .amax"
             )
+        bias = self._bias(x)
+        x = x if bias is None else x - bias
         try:
             if self._attrs.learn_amax:
-                return fake_quant_learnable(x, self._spec, self._amax)
-            clip = self._attrs.backward == "clipped"
-            return fake_quant(x, self._spec, self._amax, clip, self._global_amax)
+                out = fake_quant_learnable(x, self._spec, self._amax)
+            else:
+                clip = self._attrs.backward == "clipped"
+                out = fake_quant(x, self._spec, self._amax, clip, self._global_amax)
         except ValueError as err:
             raise ValueError(f"{self.name}: {err}") from None
+        return out if bias is None else out + bias
 
     # ----------------------------------------------------------------------- device / dtype / state_dict
     def _apply(self, fn, recurse=True):  # type: ignore[override]
@@ -389,7 +527,7 @@ class TensorQuantizer(nn.Module):
     # ----------------------------------------------------------------------- repr
     def extra_repr(self) -> str:
         if not self._attrs.enable:
-            return "disabled"
+            return "disabled" if self._rotation is None else f"disabled, {self._rotation['mode']}"
         parts = [f"{self._spec.name} {self._spec.granularity}"]
         if self._amax is not None:
             a = self._amax
@@ -403,6 +541,12 @@ class TensorQuantizer(nn.Module):
             parts.append("amax=dynamic")
         if self._pre_quant_scale is not None:
             parts.append(f"pre_quant_scale{tuple(self._pre_quant_scale.shape)}")
+        if self._bias_calibrator is not None:
+            value = self._bias_value
+            parts.append(f"bias{tuple(value.shape)}" if value is not None else f"bias={value}")
+            parts[-1] = parts[-1] if self._static_bias() else "bias=dynamic"
+        if self._rotation is not None:
+            parts.append(self._rotation["mode"])
         if not self._quant_enabled:
             parts.append("quant=off")
         if self._calib_enabled:

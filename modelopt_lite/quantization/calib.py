@@ -1,11 +1,12 @@
-"""``modelopt_lite.quantization.calib``: the reference library's calibrator module names. ``MaxCalibrator``
-and ``HistogramCalibrator`` are :mod:`modelopt_lite.nn.calibrators`' (constructed as in the reference,
-``MaxCalibrator(num_bits, axis, unsigned)``, or with a format spec); the other calibrators exist and raise
+"""``modelopt_lite.quantization.calib``: the reference library's calibrator module names. ``MaxCalibrator``,
+``HistogramCalibrator`` and ``BiasCalibrator`` are :mod:`modelopt_lite.nn.calibrators`' (constructed as in the
+reference, ``MaxCalibrator(num_bits, axis, unsigned)`` or with a format spec, ``BiasCalibrator(method,
+axis)``); the other calibrators exist and raise
 :class:`~modelopt_lite.nn.errors.UnsupportedFeatureError` naming what to use."""
 
 from __future__ import annotations
 
-from ..nn.calibrators import Calibrator, HistogramCalibrator, MaxCalibrator
+from ..nn.calibrators import BiasCalibrator, Calibrator, HistogramCalibrator, MaxCalibrator
 from ..nn.errors import unsupported_class
 
 __all__ = [
@@ -23,9 +24,6 @@ _MSE = (
 )
 MseCalibrator = unsupported_class("MseCalibrator", _MSE, __name__)
 NVFP4MSECalibrator = unsupported_class("NVFP4MSECalibrator", _MSE, __name__)
-BiasCalibrator = unsupported_class(
-    "BiasCalibrator", "affine (biased) quantization is not implemented", __name__
-)
 NVFP4ActHeadroomCalibrator = unsupported_class(
     "NVFP4ActHeadroomCalibrator",
     "NVFP4 activation headroom calibration is not implemented; use 'max'",

@@ -222,7 +222,7 @@ def calibration_mode(model: nn.Module, collect: list[TensorQuantizer] = ()) -> I
         for q in everything:
             q.disable_quant()
         for q in collect:
-            q.calibrator.reset()
+            q.reset_calibration()
             q.enable_calib()
         model.eval()
         with torch.no_grad():
@@ -231,7 +231,7 @@ def calibration_mode(model: nn.Module, collect: list[TensorQuantizer] = ()) -> I
         for q, quant, calib in modes:
             q._quant_enabled, q._calib_enabled = quant, calib
         for q in collect:
-            q.calibrator.reset()
+            q.reset_calibration()
         for module, mode in training:
             module.training = mode
 

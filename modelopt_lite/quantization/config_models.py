@@ -172,8 +172,8 @@ class LayerwiseConfig(_MappingModel):
 
 
 class RotateConfig(_MappingModel):
-    """The reference's Hadamard rotation of a quantizer's input; not implemented (``enable=True`` raises when
-    used as a quantizer's ``rotate``)."""
+    """A quantizer's ``rotate`` setting: a normalized Hadamard transform of its input along the last
+    dimension (in blocks of ``block_size``; ``rotate_back`` also rotates the output back)."""
 
     enable: bool = False
     mode: Literal["rotate", "rotate_back"] = "rotate"

@@ -218,7 +218,7 @@ def apply_config(model: nn.Module, config: QuantizeConfig, index_offset: int = 0
             hits += 1
             provenance.rules.setdefault(name, []).append((index, rule.describe()))
             if attrs is None:
-                quantizer.enable() if rule.enable else quantizer.disable()
+                _toggle(quantizer, rule.enable)
             else:
                 replaced |= _set(parent, slot, name, quantizer, attrs)
         if hits == 0:
@@ -232,6 +232,16 @@ def apply_config(model: nn.Module, config: QuantizeConfig, index_offset: int = 0
         if replaced:  # a rule swapped a slot between single and sequential quantizers
             slots = _slots(model)
     return provenance
+
+
+def _toggle(quantizer, enable: bool) -> None:
+    """A rule with ``enable`` and no ``cfg``; as in the reference, disabling also stops a rotation."""
+    if enable:
+        quantizer.enable()
+        return
+    quantizer.disable()
+    if isinstance(quantizer, TensorQuantizer) and quantizer.attributes.rotation() is not None:
+        quantizer.configure(rotate=False)
 
 
 def _slots(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module, str]]:

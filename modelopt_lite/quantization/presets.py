@@ -84,7 +84,7 @@ def _kv(*rules: tuple[str, dict[str, Any]]) -> dict[str, Any]:
     return {"quant_cfg": [{"quantizer_name": n, "cfg": copy.deepcopy(c)} for n, c in rules]}
 
 
-_AFFINE = {"bias": {-2: None, -4: None, "type": "static"}}  # the reference's affine KV (not implemented)
+_AFFINE = {"bias": {-2: None, -4: None, "type": "static"}}  # a bias per KV head and channel
 _NVFP4_BS32 = {"num_bits": (2, 1), "block_sizes": {-1: 32, "type": "dynamic", "scale_bits": (4, 3)}}
 _NVFP4_STATIC = {"num_bits": (2, 1), "block_sizes": {-1: 16, "type": "static", "scale_bits": (4, 3)}}
 _MAMBA_EXCLUDED = ("*fc1_latent_proj*", "*fc2_latent_proj*", "*q_proj*", "*k_proj*", "*v_proj*", "*o_proj*",

@@ -82,7 +82,7 @@ def test_dict_form_default_is_the_fallback_wherever_it_is_written():
         ({"quant_cfg": [{"quantizer_name": "*"}]}, "needs 'cfg', 'enable'"),
         ({"quant_cfg": [{"quantizer_name": "*", "enable": False, "when": 1}]}, "unknown key"),
         (
-            {"quant_cfg": [{"quantizer_name": "*", "cfg": {"num_bits": 8, "rotate": True}}]},
+            {"quant_cfg": [{"quantizer_name": "*", "cfg": {"num_bits": 8, "backend": "x"}}]},
             "not supported",
         ),
         (  # NVFP4's block scales come from the data: nothing to learn

@@ -37,9 +37,6 @@ REFERENCE_PRESETS = [
 
 # Presets whose format or algorithm this library does not implement, with a word the error must contain.
 UNSUPPORTED_PRESETS = {
-    "FP8_AFFINE_KV_CFG": "affine",
-    "NVFP4_AFFINE_KV_CFG": "affine",
-    "NVFP4_KV_ROTATE_CFG": "rotat",
     "NVFP4_SVDQUANT_DEFAULT_CFG": "svdquant",
     "NVFP4_W4A4_WEIGHT_LOCAL_HESSIAN_CFG": "local_hessian",
 }
@@ -221,8 +218,8 @@ def test_unsupported_algorithms_and_attributes_are_not_implemented_and_value_err
     for algorithm in ("svdquant", "local_hessian", "nvfp4_act_headroom", "lsq"):
         with pytest.raises(NotImplementedError, match=algorithm):
             mtq.QuantizeConfig.from_dict({"quant_cfg": [], "algorithm": {"method": algorithm}})
-    with pytest.raises(ValueError, match="rotate=True is not supported"):  # also a ValueError, as before
-        mtq.quantizer_attributes({"num_bits": 8, "rotate": True})
+    with pytest.raises(ValueError, match="backend='x' is not supported"):  # also a ValueError, as before
+        mtq.quantizer_attributes({"num_bits": 8, "backend": "x"})
 
 
 def test_register_attention_for_kv_quant_accepts_interface_attention_and_refuses_others():

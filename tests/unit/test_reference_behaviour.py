@@ -51,8 +51,8 @@ def test_quantizer_attribute_config_errors_are_pydantic_validation_errors_with_o
         with pytest.raises(ValidationError, match=message) as err:
             mtq.QuantizerAttributeConfig(**kwargs)
         assert isinstance(err.value, ValueError)
-    with pytest.raises(ValidationError, match=r"rotate=True is not supported.*rotate_residual"):
-        mtq.QuantizerAttributeConfig(rotate=True)
+    with pytest.raises(ValidationError, match=r"use_constant_amax=True is not supported.*amax"):
+        mtq.QuantizerAttributeConfig(use_constant_amax=True)
 
 
 def test_calib_configs_validate_and_read_as_the_algorithm_dict():

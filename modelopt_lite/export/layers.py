@@ -19,6 +19,7 @@ from ..distributed import weight_access
 from ..logging import get_logger
 from ..moe import QuantExperts
 from ..nn import QuantAttention, QuantLinear, SequentialQuantizer, TensorQuantizer
+from ..nn.quant_linear import lowrank_factors
 from ..nn.quant_module import Quantizer
 
 __all__ = [
@@ -105,6 +106,12 @@ def _describe(q: Quantizer | None) -> str:
 
 def detect_format(name: str, wq: Quantizer | None, iq: TensorQuantizer | None) -> str | None:
     """The ``quant_algo`` of a linear map with these quantizers (``None``: not quantized)."""
+    if wq is not None and lowrank_factors(wq) is not None:
+        raise UnsupportedFormatError(
+            f"{name}: has an SVDQuant low-rank branch (weight_quantizer._svdquant_lora_a / _b), which this "
+            "export does not write (the reference's NVFP4_SVD checkpoints keep it next to the NVFP4 residual "
+            "weight): save the model with mto.save, or quantize with NVFP4_AWQ_LITE_CFG to export"
+        )
     if wq is None or not wq.is_enabled:
         if iq is not None and iq.is_enabled:
             raise UnsupportedFormatError(
@@ -340,17 +347,22 @@ def foldable_norms(model: nn.Module) -> dict[str, tuple[torch.Tensor, list[str]]
     return plan
 
 
+_FAKE_ONLY = {"q_bmm_quantizer": "query", "p_bmm_quantizer": "softmax probabilities"}
+
+
 def kv_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    query = [
-        n for n, m in model.named_modules() if isinstance(m, QuantAttention) and m.q_bmm_quantizer.is_enabled
-    ]
-    if query:
-        logger.warning(
-            "%d attention module(s) quantize the query (%s, ...): q_bmm_quantizer is fake quant only, the "
-            "checkpoint format has no query scale (engines with FP8 attention compute their own)",
-            len(query),
-            query[0],
-        )
+    for slot, what in _FAKE_ONLY.items():
+        modules = model.named_modules()
+        names = [n for n, m in modules if isinstance(m, QuantAttention) and getattr(m, slot).is_enabled]
+        if names:
+            logger.warning(
+                "%d attention module(s) quantize the %s (%s, ...): %s is fake quant only, the checkpoint "
+                "format has no scale for it (engines with FP8 attention compute their own)",
+                len(names),
+                what,
+                names[0],
+                slot,
+            )
     for name, module in model.named_modules():
         if isinstance(module, QuantAttention) and kv_cache_format(name, module) is not None:
             yield name, module

@@ -6,8 +6,14 @@ functions under our own names, ``modelopt_lite_sdpa`` and ``modelopt_lite_eager`
 of the implementation it wraps (transformers' documented seam for custom attention). They apply the
 attention module's ``q_bmm_quantizer`` / ``k_bmm_quantizer`` / ``v_bmm_quantizer`` to the query, keys and
 values and call the wrapped implementation unchanged. ``q_bmm_quantizer`` (Model-Optimizer's name, for FP8
-attention) is disabled unless a config enables it; the softmax-probability quantizer (``p_bmm_quantizer``)
-would need an attention implementation of our own and is not provided.
+attention) is disabled unless a config enables it.
+
+``p_bmm_quantizer`` (also disabled until a config enables it) quantizes the attention probabilities: the
+softmax output, before the dropout and the product with the values. SDPA computes them inside its kernel, so
+while it is enabled both of our functions run the model's own ``eager_attention_forward`` (mask, scaling, GQA
+repeat, dropout, sinks and softcapping as the model defines them) under a ``TorchFunctionMode`` that passes
+the result of its softmax call through the quantizer; for the SDPA name the mask is first turned into the
+additive form the eager function expects. Disabled, the wrapped implementation runs unchanged.
 
 Inserting quantizers switches a model on ``sdpa`` / ``eager`` to the matching name (outputs are identical
 while the KV quantizers are disabled). If the implementation is changed afterwards to one we do not wrap
@@ -23,6 +29,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
@@ -68,14 +75,66 @@ def _quantize_qkv(module: nn.Module, *tensors: torch.Tensor) -> list[torch.Tenso
     return out
 
 
-def _sdpa_with_kv(module, query, key, value, attention_mask, **kwargs):
+_SOFTMAX = (torch.nn.functional.softmax, torch.softmax, torch.Tensor.softmax)
+
+
+class _QuantizedSoftmax(TorchFunctionMode):
+    """Passes every softmax result computed inside the mode through ``quantizer`` (torch's documented seam for
+    intercepting functions; the quantizer itself runs with the mode off)."""
+
+    def __init__(self, quantizer: nn.Module) -> None:
+        super().__init__()
+        self.quantizer = quantizer
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in _SOFTMAX:
+            self.calls += 1
+            out = self.quantizer(out)
+        return out
+
+
+def _eager_mask(module, query, key, attention_mask, is_causal=None):
+    """An SDPA mask (boolean, True = attend, or ``None`` for "causal when SDPA would be") as the additive mask
+    of eager attention, following transformers' ``sdpa_attention_forward`` rule for ``is_causal``."""
+    if attention_mask is None:
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        if query.shape[2] <= 1 or not causal:
+            return None
+        shape = (query.shape[2], key.shape[2])
+        attention_mask = torch.ones(shape, dtype=torch.bool, device=query.device).tril()
+    if attention_mask.dtype != torch.bool:
+        return attention_mask
+    blocked = torch.tensor(torch.finfo(query.dtype).min, dtype=query.dtype, device=query.device)
+    return torch.where(attention_mask, torch.zeros((), dtype=query.dtype, device=query.device), blocked)
+
+
+def _attention(wrapped, module, query, key, value, attention_mask, **kwargs):
     query, key, value = _quantize_qkv(module, query, key, value)
-    return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
+    p_quantizer = getattr(module, "p_bmm_quantizer", None)
+    if p_quantizer is None or not p_quantizer.is_enabled:
+        fn = _model_eager_attention(module) if wrapped == "eager" else ALL_ATTENTION_FUNCTIONS[wrapped]
+        return fn(module, query, key, value, attention_mask, **kwargs)
+    if wrapped == "sdpa":
+        attention_mask = _eager_mask(module, query, key, attention_mask, kwargs.get("is_causal"))
+    mode = _QuantizedSoftmax(p_quantizer)
+    with mode:
+        out = _model_eager_attention(module)(module, query, key, value, attention_mask, **kwargs)
+    if mode.calls == 0:
+        raise RuntimeError(
+            f"{type(module).__name__}: p_bmm_quantizer is enabled but the model's eager_attention_forward "
+            f"computes no softmax to quantize; disable the *p_bmm_quantizer rule for this model"
+        )
+    return out
+
+
+def _sdpa_with_kv(module, query, key, value, attention_mask, **kwargs):
+    return _attention("sdpa", module, query, key, value, attention_mask, **kwargs)
 
 
 def _eager_with_kv(module, query, key, value, attention_mask, **kwargs):
-    query, key, value = _quantize_qkv(module, query, key, value)
-    return _model_eager_attention(module)(module, query, key, value, attention_mask, **kwargs)
+    return _attention("eager", module, query, key, value, attention_mask, **kwargs)
 
 
 # Definition-time registration under our own names (never replacing a name transformers defines).
@@ -86,21 +145,24 @@ AttentionMaskInterface.register(KV_ATTENTION_IMPLEMENTATIONS["eager"], eager_mas
 
 
 class QuantAttention(QuantModule):
-    """Adds ``k_bmm_quantizer`` and ``v_bmm_quantizer`` (per tensor by default, like every quantizer) and
-    ``q_bmm_quantizer`` (disabled until a config enables it)."""
+    """Adds ``k_bmm_quantizer`` and ``v_bmm_quantizer`` (per tensor by default, like every quantizer),
+    ``q_bmm_quantizer`` and ``p_bmm_quantizer`` (the softmax probabilities); the last two are disabled until a
+    config enables them."""
 
     def _setup(self) -> None:
         self.q_bmm_quantizer = TensorQuantizer("q_bmm_quantizer")
         self.q_bmm_quantizer.disable()
         self.k_bmm_quantizer = TensorQuantizer("k_bmm_quantizer")
         self.v_bmm_quantizer = TensorQuantizer("v_bmm_quantizer")
+        self.p_bmm_quantizer = TensorQuantizer("p_bmm_quantizer")
+        self.p_bmm_quantizer.disable()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if any(getattr(self, slot).is_enabled for slot in _SLOTS):
+        if any(getattr(self, slot).is_enabled for slot in (*_SLOTS, "p_bmm_quantizer")):
             impl = getattr(getattr(self, "config", None), "_attn_implementation", None)
             if impl not in KV_ATTENTION_IMPLEMENTATIONS.values():
                 raise RuntimeError(
-                    f"{type(self).__name__}: q / k / v quantizers are enabled but the model's attention "
+                    f"{type(self).__name__}: q / k / v / p quantizers are enabled but the model's attention "
                     f"implementation is {impl!r}, which would bypass them. Use "
                     f"model.set_attn_implementation({KV_ATTENTION_IMPLEMENTATIONS['sdpa']!r}) (or "
                     f"{KV_ATTENTION_IMPLEMENTATIONS['eager']!r}), or disable the *_bmm_quantizer rules"

@@ -194,7 +194,8 @@ def set_quantizer_by_cfg(model: nn.Module, quant_cfg: Any) -> Provenance:
 
 
 _PROBE_SLOTS = ("m.input_quantizer", "m.weight_quantizer", "m.output_quantizer", "m.q_bmm_quantizer",
-                "m.k_bmm_quantizer", "m.v_bmm_quantizer", "m.gate_up_proj_input_quantizer",
+                "m.k_bmm_quantizer", "m.v_bmm_quantizer", "m.p_bmm_quantizer",
+                "m.gate_up_proj_input_quantizer",
                 "m.gate_up_proj_weight_quantizers.0", "m.down_proj_input_quantizer",
                 "m.down_proj_weight_quantizers.0")  # fmt: skip
 
@@ -207,7 +208,8 @@ def need_calibration(config: QuantizeConfig | Mapping[str, Any] | str) -> bool:
     if cfg.algorithm_name not in (None, "max"):
         return True
     default = QuantizerAttributes()
-    slots = {s: (default, not s.endswith(("output_quantizer", "q_bmm_quantizer"))) for s in _PROBE_SLOTS}
+    off = ("output_quantizer", "q_bmm_quantizer", "p_bmm_quantizer")  # disabled until a rule enables them
+    slots = {s: (default, not s.endswith(off)) for s in _PROBE_SLOTS}
     for _, rule in cfg.ordered_rules():
         if rule.parent_class is not None:  # scoped to other module classes (BatchNorm, Embedding, ...)
             continue

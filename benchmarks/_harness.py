@@ -45,6 +45,14 @@ def default_reference_python() -> str | None:
     return os.environ.get(REFERENCE_PYTHON_ENV) or None
 
 
+def no_reference_python(flag: str = "--reference-python", env: str = REFERENCE_PYTHON_ENV) -> str:
+    """What to do when no reference interpreter was given (no machine has a default one)."""
+    return (
+        f"no reference interpreter: pass {flag} PATH/bin/python or set ${env} to the Python of a virtualenv "
+        "with the peer library (python benchmarks/peers.py --make-venvs DIR creates them)"
+    )
+
+
 def busy_cpu_seconds() -> float | None:
     """Busy CPU seconds of the whole machine so far (Linux /proc/stat), or None."""
     try:

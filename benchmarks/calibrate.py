@@ -166,7 +166,7 @@ def _borrow_transformers(python: str) -> tuple[str | None, list[str]]:
 
 def _reference_usable(python: str | None) -> tuple[bool, str]:
     if not python:
-        return False, "no reference python given"
+        return False, h.no_reference_python()
     if not os.path.exists(python):
         return False, f"{python} does not exist"
     err = _ref_import_error(python, None, "modelopt.torch.quantization")

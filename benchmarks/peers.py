@@ -204,7 +204,9 @@ def measure(kind: str, args: argparse.Namespace, work: str) -> dict[str, Any]:
     peers: dict[str, Any] = {}
     for peer, python in (("torchao", args.torchao_python), ("modelopt", args.modelopt_python)):
         if not python:
-            print(f"\n## {kind}: {peer} skipped (no --{peer}-python)", flush=True)
+            env = TORCHAO_PYTHON_ENV if peer == "torchao" else h.REFERENCE_PYTHON_ENV
+            why = h.no_reference_python(f"--{peer}-python", env)
+            print(f"\n## {kind}: {peer} skipped ({why})", flush=True)
             continue
         print(f"\n## {kind}: {peer} ({python})", flush=True)
         res = run_peer(peer, python, spec_path, args.threads)

@@ -316,7 +316,7 @@ def main() -> None:
     )  # fmt: skip
     ref_python, ref_path, ref_note = args.reference_python, None, ""
     if args.no_reference or not ref_python:
-        ref_note = "skipped (--no-reference)" if args.no_reference else "no reference python"
+        ref_note = "skipped (--no-reference)" if args.no_reference else h.no_reference_python()
     elif not os.path.exists(ref_python):
         ref_note = f"{ref_python} does not exist"
     else:

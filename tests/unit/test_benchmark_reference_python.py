@@ -1,0 +1,43 @@
+"""The side-by-side benchmarks take the reference interpreter (a virtualenv with nvidia-modelopt) from
+``--reference-python`` or ``$MODELOPT_REFERENCE_PYTHON`` only, never from a path of one machine, and say how
+to provide it when it is missing (issue 20)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+import _harness as h  # noqa: E402  (a sibling module of the benchmark scripts)
+
+
+def test_no_benchmark_defaults_to_a_machine_path():
+    for script in sorted(BENCHMARKS.glob("*.py")):
+        lines = script.read_text().splitlines()
+        code = "\n".join(line for line in lines if not line.lstrip().startswith("#"))
+        defaults = re.findall(r"default\s*=\s*[\"'](/[^\"']*)[\"']", code)
+        assert not defaults, f"{script.name}: absolute default path(s) {defaults}"
+
+
+def test_missing_reference_says_how_to_give_one():
+    env = {k: v for k, v in os.environ.items() if k != h.REFERENCE_PYTHON_ENV}
+    assert h.default_reference_python() is None or h.REFERENCE_PYTHON_ENV in os.environ
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "export_compat.py")], env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 2
+    assert "--reference-python" in proc.stderr
+    assert "$MODELOPT_REFERENCE_PYTHON" in proc.stderr
+    assert "peers.py --make-venvs" in proc.stderr
+
+
+def test_the_environment_variable_is_the_default(monkeypatch):
+    monkeypatch.setenv(h.REFERENCE_PYTHON_ENV, "/opt/ref/bin/python")
+    assert h.default_reference_python() == "/opt/ref/bin/python"
+    monkeypatch.setenv(h.REFERENCE_PYTHON_ENV, "")
+    assert h.default_reference_python() is None

@@ -1,4 +1,4 @@
-"""Real quantized tensors per export format (NUMERICS.md "Export tensors"): the format -> packer registry.
+"""Real quantized tensors per export format (docs/export.md "Tensors per format"): the packer registry.
 
 A packer turns one weight ``(out, in)`` and its calibrated weight quantizer into the tensors written under
 the layer's name (``weight``, ``weight_scale``, ``weight_scale_2``), and back (:meth:`Packer.dequantize`,

@@ -1,4 +1,4 @@
-"""FP8 fake quantization (E4M3 and E5M2), NUMERICS.md "FP8 E4M3"."""
+"""FP8 fake quantization (E4M3 and E5M2), docs/numerics.md "FP8 (E4M3, E5M2)"."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Integer fake quantization (INT-k, k = 2..8), NUMERICS.md "Integer, k bits"."""
+"""Integer fake quantization (INT-k, k = 2..8), docs/numerics.md "Integer, k bits"."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""OCP Microscaling formats (MX v1.0): MXFP8, MXFP6, MXFP4, MXINT8, NUMERICS.md "MX formats".
+"""OCP Microscaling formats (MX v1.0): MXFP8, MXFP6, MXFP4, MXINT8, docs/numerics.md "MX formats".
 
 Blocks of 32 along the last axis share a power-of-two scale stored as E8M0. The scale exponent is
 ``floor(log2(block_amax)) - emax_elem`` clamped to the E8M0 range [-127, 127]; elements are ``x / 2**exp``

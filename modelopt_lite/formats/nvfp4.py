@@ -1,13 +1,13 @@
-"""NVFP4 fake quantization and packing, NUMERICS.md "NVFP4".
+"""NVFP4 fake quantization and packing, docs/numerics.md "NVFP4".
 
 E2M1 elements in blocks of 16 along the last axis, one FP8-E4M3 scale per block, one FP32 global scale.
 The dequantized block scale ``S = fp8(s) * s2`` is formed once per block; elements are ``e2m1(|x| / S) * S``
-(NUMERICS.md's ``q * s * s2`` with the two scales multiplied first, as the reference library and the
+(docs/numerics.md's ``q * s * s2`` with the two scales multiplied first, as the reference library and the
 deployment kernels do).
 
 Degenerate scales (the rule we picked, used by the reference functions and the Triton kernel alike):
 a block scale that comes out zero becomes 1 and every block scale is clamped to ``[2**-9, 448]`` before the
-FP8 cast, exactly as NUMERICS.md states. A global amax at or below 2**-24 (an all-zero tensor, or a quantizer
+FP8 cast, as docs/numerics.md states. A global amax at or below 2**-24 (an all-zero tensor, or a quantizer
 calibrated on zeros) gives an all-zero output instead of dividing by a zero global scale.
 """
 

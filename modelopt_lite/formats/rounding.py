@@ -14,7 +14,7 @@ __all__ = [
     "true_div",
 ]
 
-#: amax at or below this is treated as "no signal" (NUMERICS.md: 2**-24).
+#: amax at or below this is treated as "no signal" (docs/numerics.md: 2**-24).
 TINY_AMAX = 2.0**-24
 
 
@@ -69,7 +69,7 @@ def minifloat_round(
     return res.clamp_(-spec.max_value, spec.max_value) if signed else res.clamp_(max=spec.max_value)
 
 
-#: E2M1 magnitudes and the decision boundaries between neighbours (NUMERICS.md). A value equal to a
+#: E2M1 magnitudes and the decision boundaries between neighbours (docs/numerics.md). A value equal to a
 #: boundary goes to the neighbour with the even mantissa:
 #: 0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4.
 #: ``bucketize(right=False)`` sends a value equal to a boundary to the lower bucket, so the
@@ -101,7 +101,7 @@ def e2m1_index(a: torch.Tensor) -> torch.Tensor:
 
 
 def e2m1_round(a: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Round non-negative float32 ``a`` to an E2M1 magnitude with the thresholds of NUMERICS.md.
+    """Round non-negative float32 ``a`` to an E2M1 magnitude with the thresholds of docs/numerics.md.
 
     Those thresholds are round-to-nearest with ties to the even mantissa, i.e. :func:`minifloat_round`
     for E2M1 (several times faster than a table look-up; the tests check the two agree)."""

@@ -85,7 +85,7 @@ def test_round_trip(exported, model_name, preset):
         torch.testing.assert_close(loaded(x).logits, model(x).logits, rtol=1e-5, atol=1e-5)
 
 
-# ----------------------------------------------------------------------------- tensors as NUMERICS.md
+# ----------------------------------------------------------------------------- tensors as docs/export.md
 
 
 F8 = torch.float8_e4m3fn

@@ -55,7 +55,7 @@ def test_int_narrow_and_unsigned(num_bits):
 
 
 def test_int_scale_is_a_true_division():
-    # With 127.0 / amax PyTorch multiplies by the reciprocal; NUMERICS.md requires the division.
+    # With 127.0 / amax PyTorch multiplies by the reciprocal; docs/numerics.md requires the division.
     x = torch.randn(4096) * 2
     amax = torch.rand(4096) * 3 + 0.1
     out = int_fake_quant(x, amax, 8)

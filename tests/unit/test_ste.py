@@ -73,7 +73,7 @@ def test_no_graph_kept_without_grad():
 def test_nvfp4_linear_gradients_equal_an_independent_straight_through_computation():
     # W4A4 NVFP4 linear: y = fq(x) @ fq(W)^T. Under the straight-through estimator, dL/dx = g @ fq(W) and
     # dL/dW = g^T @ fq(x), both with the fake-quantized other operand; computed here by hand from the
-    # independent NUMERICS expectation (tests/unit/_expect.py), not by the library's autograd.
+    # independent docs/numerics.md expectation (tests/unit/_expect.py), not by the library's autograd.
     import numpy as np
 
     import modelopt_lite.quantization as mtq

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..formats import hadamard_matrix
 from ..logging import get_logger
 from .model_quant import quant_state
 
@@ -51,9 +52,7 @@ def rotation_matrix(dim: int, kind: str = "auto", seed: int = 0) -> torch.Tensor
     if kind == "random" or not power_of_two:
         q, r = torch.linalg.qr(torch.randn(dim, dim, generator=gen, dtype=torch.float64))
         return q * torch.sign(torch.diagonal(r))  # unique, uniformly distributed
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < dim:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    h = hadamard_matrix(dim, torch.float64)
     signs = torch.randint(0, 2, (dim,), generator=gen).to(torch.float64) * 2 - 1
     return (h / math.sqrt(dim)) * signs  # H D: orthogonal
 

@@ -4,6 +4,13 @@ Both get ``input_quantizer``, ``weight_quantizer`` and ``output_quantizer`` (the
 Weight quantizers always see the weight as ``(out_features, in_features)``, so ``axis=0`` is per output
 channel and ``block_sizes={-1: 128}`` blocks the input dimension for both classes; Conv1D's stored weight
 is never transposed in place (its ``state_dict`` is unchanged).
+
+SVDQuant (``algorithm="svdquant"``) gives a layer a high-precision low-rank branch: the weight quantizer's
+buffers ``_svdquant_lora_a`` (rank, in) and ``_svdquant_lora_b`` (out, rank), the reference's names. The
+layer then returns ``Q_out(F.linear(Q_in(x), Q_w(W), b)) + (x s) A^T B^T`` where ``s`` is the input
+quantizer's ``pre_quant_scale`` (1 without one) and ``W`` holds the residual that SVDQuant left to quantize.
+The branch is saved and restored with the quantizer state; :func:`mtq.fold_weight` folds ``Q_w(W)`` only and
+keeps the branch (the layer computes the same function).
 """
 
 from __future__ import annotations
@@ -20,7 +27,24 @@ from .attribute_dict import quantizer_attributes
 from .quant_module import QUANT_MODULES, Quantizer, QuantModule
 from .tensor_quantizer import TensorQuantizer
 
-__all__ = ["QuantConv1D", "QuantLinear"]
+__all__ = ["LOWRANK_BUFFERS", "QuantConv1D", "QuantLinear", "lowrank_factors", "set_lowrank_factors"]
+
+#: The weight quantizer buffers of SVDQuant's low-rank branch ``A`` (rank, in) and ``B`` (out, rank).
+LOWRANK_BUFFERS = ("_svdquant_lora_a", "_svdquant_lora_b")
+
+
+def lowrank_factors(quantizer: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(A, B)`` of a weight quantizer's low-rank branch, or ``None``."""
+    a, b = (quantizer._buffers.get(n) for n in LOWRANK_BUFFERS)
+    return None if a is None or b is None else (a, b)
+
+
+def set_lowrank_factors(quantizer: nn.Module, a: torch.Tensor, b: torch.Tensor) -> None:
+    """Give a weight quantizer the low-rank branch ``B @ A`` (buffers, hence in its ``state_dict``)."""
+    if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
+        raise ValueError(f"low-rank factors need shapes (rank, in) and (out, rank), got {a.shape}, {b.shape}")
+    for name, value in zip(LOWRANK_BUFFERS, (a, b), strict=True):
+        quantizer.register_buffer(name, value.detach().clone())
 
 
 @QUANT_MODULES.register(nn.Linear)
@@ -76,9 +100,18 @@ class QuantLinear(QuantModule):
             self.weight.copy_(self.quantized_weight())
             self.weight_quantizer.disable()
 
+    def _plus_lowrank(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out + (x s) A^T B^T`` when the layer has a low-rank branch (see the module docstring)."""
+        factors = lowrank_factors(self.weight_quantizer)
+        if factors is None:
+            return out
+        scale = self.input_quantizer.pre_quant_scale
+        x = x if scale is None else x * scale.to(x.dtype)
+        return out + F.linear(F.linear(x, factors[0].to(x.dtype)), factors[1].to(x.dtype))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         out = F.linear(self.input_quantizer(x), self.quantized_weight(), self.bias)
-        return self.output_quantizer(out)
+        return self._plus_lowrank(x, self.output_quantizer(out))
 
 
 @QUANT_MODULES.register(Conv1D)
@@ -96,6 +129,6 @@ class QuantConv1D(QuantLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         size_out = (*x.shape[:-1], self.nf)
-        x = self.input_quantizer(x)
-        out = torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.quantized_weight()).view(size_out)
-        return self.output_quantizer(out)
+        xq = self.input_quantizer(x)
+        out = torch.addmm(self.bias, xq.reshape(-1, xq.shape[-1]), self.quantized_weight()).view(size_out)
+        return self._plus_lowrank(x, self.output_quantizer(out))

@@ -10,6 +10,7 @@ from torch import nn
 
 from .._version import __version__
 from ..nn import QUANT_MODULES, QuantModule, SequentialQuantizer, TensorQuantizer, iter_quantizers
+from ..nn.quant_linear import LOWRANK_BUFFERS, lowrank_factors, set_lowrank_factors
 from ..quantization import QuantizeConfig, quant_state, quantizer_attributes
 from ..quantization.config import plain
 from ..quantization.insertion import (
@@ -30,10 +31,13 @@ def _class_name(cls: type) -> str:
 
 
 def _quantizer_entry(q: TensorQuantizer) -> dict[str, Any]:
+    factors = lowrank_factors(q)  # SVDQuant's low-rank branch: allocated again on restore
+    shapes = [] if factors is None else [list(t.shape) for t in factors]
+    lowrank = dict(zip(LOWRANK_BUFFERS, shapes, strict=False))
     return {
         "attributes": plain(q.attribute_dict(), str_keys=True),
         "quant_enabled": q._quant_enabled,
-        "buffers": q.buffer_shapes(),
+        "buffers": {**q.buffer_shapes(), **lowrank},
     }
 
 
@@ -149,7 +153,11 @@ def _attributes(entry: dict[str, Any], qname: str):
 def _restore_quantizer(q: TensorQuantizer, entry: dict[str, Any], device: torch.device) -> None:
     q.set_attributes(_attributes(entry, q.name))
     q._quant_enabled = bool(entry.get("quant_enabled", True))
-    q.allocate_buffers(entry.get("buffers", {}), device)
+    buffers = dict(entry.get("buffers", {}))
+    lowrank = [buffers.pop(n) for n in LOWRANK_BUFFERS if n in buffers]
+    q.allocate_buffers(buffers, device)
+    if lowrank:
+        set_lowrank_factors(q, *(torch.zeros(shape, device=device) for shape in lowrank))
 
 
 def restore_from_modelopt_state(model: nn.Module, state: dict[str, Any]) -> nn.Module:

@@ -12,7 +12,7 @@ reference's other public names are here too (:mod:`.compat`, :mod:`.config_model
 from ..nn import QUANT_MODULES, QuantModule, SequentialQuantizer, TensorQuantizer, iter_quantizers
 
 # algorithms register at definition time; calib, nn and tensor_quant are the reference's mtq.* modules
-from . import awq, calib, config_models, gptq, mse, nn, smoothquant, tensor_quant  # noqa: F401
+from . import awq, calib, config_models, gptq, local_hessian, mse, nn, smoothquant, svdquant, tensor_quant  # noqa: F401
 from .calibrate import calibrate, check_calibrated, register_algorithm, run_forward_loop
 from .compat import (
     compute_quantization_mse,

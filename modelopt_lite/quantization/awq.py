@@ -40,7 +40,7 @@ from .calibrate import (
     run_forward_loop,
 )
 from .layers import Target, blocks, capture, groups, linear_targets
-from .search import quantize_like
+from .search import block_gram, block_weighted_error, quantize_like
 from .smoothquant import apply_input_scale
 
 __all__ = ["awq_clip", "awq_full", "awq_lite"]
@@ -129,13 +129,13 @@ def _clip_target(t: Target, x: torch.Tensor, ratios: tuple[float, ...]) -> None:
     if last_axis_blocks:
         layout = BlockLayout.build(w.shape, spec.block_sizes)
         xb = BlockLayout.build(x.shape, spec.block_sizes).split(x).view(x.shape[0], -1, layout.block_numel)
-        gram = torch.einsum("tnb,tnc->nbc", xb, xb)
+        gram = block_gram(xb)
     errors = []
     for r in ratios:
         d = w - quantize_like(q, w, amax * r).float()
         if last_axis_blocks:
             db = layout.split(d).view(d.shape[0], xb.shape[1], -1)
-            errors.append(torch.einsum("onb,nbc,onc->on", db, gram, db).reshape(amax.shape))
+            errors.append(block_weighted_error(db, gram).reshape(amax.shape))
         elif per_channel:
             errors.append((x @ d.t()).pow(2).sum(0).reshape(amax.shape))
         else:

@@ -41,8 +41,6 @@ __all__ = [
 
 #: The reference's calibration algorithms that this library does not implement, with what to use instead.
 UNSUPPORTED_ALGORITHMS = {
-    "svdquant": "SVDQuant's low-rank branch is not implemented; use 'awq_lite' (NVFP4_AWQ_LITE_CFG)",
-    "local_hessian": "local-Hessian weighted scale search is not implemented; use 'mse' or 'gptq'",
     "nvfp4_act_headroom": "NVFP4 activation headroom calibration is not implemented; use 'max'",
     "lsq": "use learn_amax=True in the quantizer attributes (LSQ gradients) with the QAT trainer",
 }
@@ -56,6 +54,8 @@ ALGORITHMS = (
     "awq_full",
     "gptq",
     "mse",
+    "local_hessian",
+    "svdquant",
     *UNSUPPORTED_ALGORITHMS,
 )
 

@@ -235,9 +235,14 @@ class MseCalibConfig(QuantizeAlgorithmConfig):
 
 
 class LocalHessianCalibConfig(MseCalibConfig):
-    """The reference's Hessian-weighted scale search; not implemented (quantizing with it raises)."""
+    """Max calibration, then the weight amax search of ``mse`` with each block's error weighted by the local
+    Hessian ``X_b^T X_b`` of the layer's inputs (:mod:`~modelopt_lite.quantization.local_hessian`). The
+    defaults are the reference's."""
 
     method: Literal["local_hessian"] = "local_hessian"  # type: ignore[assignment]
+    step_size: _Positive = 0.1
+    start_multiplier: _Positive = 0.25
+    stop_multiplier: _Positive = 4.0
     fp8_scale_sweep: bool | None = True
     block_size: Annotated[int | None, Field(gt=0)] = 16
     debug: bool | None = False
@@ -277,7 +282,9 @@ class AWQFullCalibConfig(AWQClipCalibConfig):
 
 
 class SVDQuantConfig(QuantizeAlgorithmConfig):
-    """The reference's SVDQuant (low-rank branch); not implemented (quantizing with it raises)."""
+    """SVDQuant: AWQ-lite smoothing, then each linear layer keeps the top-``lowrank`` SVD components of its
+    weight in a high-precision branch and quantizes the rest (:mod:`~modelopt_lite.quantization.svdquant`);
+    layers matching ``skip_layers`` are only max-calibrated."""
 
     method: Literal["svdquant"] = "svdquant"
     lowrank: int | None = 32

@@ -1,6 +1,7 @@
 """What calibration algorithms work on: every quantized linear map of the model (a linear layer, or one
 projection of one expert) as a :class:`Target`, and :func:`capture`, which records each target's inputs
-during forward passes (per-channel statistics, a capped sample of rows, optionally ``X^T X``).
+during forward passes (per-channel statistics, a capped sample of rows, optionally ``X^T X`` or its
+diagonal blocks).
 
 Targets are processed one transformer block at a time (:func:`blocks`), so that memory holds the
 statistics of one block, never of the whole model. Linear layers that read the same input tensor (q/k/v,
@@ -19,6 +20,7 @@ from torch import nn
 
 from ..moe import QuantExperts
 from ..nn import Quantizer, QuantLinear, TensorQuantizer
+from .search import block_gram
 
 __all__ = ["Stats", "Target", "blocks", "capture", "groups", "linear_targets"]
 
@@ -44,7 +46,8 @@ class Target:
 @dataclass
 class Stats:
     """Inputs seen by one target: ``absmax`` / ``abssum`` per input channel, the row ``count``, up to
-    ``max_rows`` sample rows and ``gram`` = ``X^T X`` (float32) when asked."""
+    ``max_rows`` sample rows and ``gram`` = ``X^T X`` (float32) when asked, or with ``gram_block`` only its
+    diagonal blocks ``(in / gram_block, gram_block, gram_block)`` (``None`` when ``in`` is not a multiple)."""
 
     absmax: torch.Tensor | None = None
     abssum: torch.Tensor | None = None
@@ -96,7 +99,7 @@ def groups(targets: list[Target], stats: dict[str, Stats]) -> list[list[Target]]
     return list(out.values())
 
 
-def _record(stats: Stats, x: torch.Tensor, max_rows: int, gram: bool) -> None:
+def _record(stats: Stats, x: torch.Tensor, max_rows: int, gram: bool, gram_block: int) -> None:
     x = x.detach().reshape(-1, x.shape[-1]).float()
     if x.shape[0] == 0:
         return
@@ -110,7 +113,10 @@ def _record(stats: Stats, x: torch.Tensor, max_rows: int, gram: bool) -> None:
     room = max_rows - sum(r.shape[0] for r in stats.rows)
     if room > 0:
         stats.rows.append(x[:room].clone())
-    if gram:
+    if gram_block and x.shape[1] % gram_block == 0:
+        g = block_gram(x.view(x.shape[0], -1, gram_block))
+        stats.gram = g if stats.gram is None else stats.gram.add_(g)
+    elif gram and not gram_block:
         g = x.t() @ x
         stats.gram = g if stats.gram is None else stats.gram.add_(g)
 
@@ -122,9 +128,12 @@ def _effective(x: torch.Tensor, input_quantizer: TensorQuantizer) -> torch.Tenso
 
 
 @contextmanager
-def capture(targets: list[Target], max_rows: int = 0, gram: bool = False) -> Iterator[dict[str, Stats]]:
+def capture(
+    targets: list[Target], max_rows: int = 0, gram: bool = False, gram_block: int = 0
+) -> Iterator[dict[str, Stats]]:
     """Record the inputs of ``targets`` (times their input quantizer's ``pre_quant_scale``, as the weight
-    sees them) during the forward passes run inside the block."""
+    sees them) during the forward passes run inside the block (see :class:`Stats` for ``gram`` and
+    ``gram_block``)."""
     stats = {t.name: Stats() for t in targets}
     hooks = []
     experts: dict[QuantExperts, dict[tuple[str, int], Stats]] = {}
@@ -134,7 +143,7 @@ def capture(targets: list[Target], max_rows: int = 0, gram: bool = False) -> Ite
             continue
 
         def pre_hook(module, args, st=stats[t.name], q=t.input_quantizer):
-            _record(st, _effective(args[0], q), max_rows, gram)
+            _record(st, _effective(args[0], q), max_rows, gram, gram_block)
 
         hooks.append(t.module.register_forward_pre_hook(pre_hook))
     for module, table in experts.items():
@@ -146,6 +155,7 @@ def capture(targets: list[Target], max_rows: int = 0, gram: bool = False) -> Ite
                     _effective(x, getattr(module, f"{proj}_input_quantizer")),
                     max_rows,
                     gram,
+                    gram_block,
                 )
 
         module.input_observer = observe

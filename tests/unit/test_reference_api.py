@@ -18,8 +18,6 @@ import modelopt_lite.quantization as mtq
 import modelopt_lite.quantization.nn as qnn
 from modelopt_lite.quantization import tensor_quant
 
-from ._models import batches, tiny_llama
-
 # The reference's 38 ``*_CFG`` presets and its one ``*_CONFIG`` (copied names).
 REFERENCE_PRESETS = [
     "FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG", "FP8_AFFINE_KV_CFG", "FP8_DEFAULT_CFG", "FP8_KV_CFG",
@@ -34,12 +32,6 @@ REFERENCE_PRESETS = [
     "NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG", "W4A16_NVFP4_CFG", "W4A8_AWQ_BETA_CFG", "W4A8_MXFP4_FP8_CFG",
     "W4A8_NVFP4_FP8_CFG", "NVFP4_FP8_MHA_CONFIG",
 ]  # fmt: skip
-
-# Presets whose format or algorithm this library does not implement, with a word the error must contain.
-UNSUPPORTED_PRESETS = {
-    "NVFP4_SVDQUANT_DEFAULT_CFG": "svdquant",
-    "NVFP4_W4A4_WEIGHT_LOCAL_HESSIAN_CFG": "local_hessian",
-}
 
 MTQ_FUNCTIONS = {  # name -> the reference's parameter names
     "quantize": ["model", "config", "forward_loop"],
@@ -150,20 +142,6 @@ def test_an_unknown_preset_still_fails_with_the_list():
         mtq.resolve_config("NVFP5_DEFAULT_CFG")
 
 
-@pytest.mark.parametrize("name", sorted(UNSUPPORTED_PRESETS))
-def test_presets_we_do_not_implement_raise_not_implemented_at_quantize_time(name):
-    model = tiny_llama(layers=1)
-    config = getattr(mtq, name)
-    if name in mtq.KV_PRESETS:  # KV presets only hold the KV rules: as the reference, merge one first
-        with pytest.raises(NotImplementedError, match=UNSUPPORTED_PRESETS[name]) as err:
-            mtq.update_quant_cfg_with_kv_cache_quant(mtq.FP8_DEFAULT_CFG, config["quant_cfg"])
-    else:
-        with pytest.raises(NotImplementedError, match=UNSUPPORTED_PRESETS[name]) as err:
-            mtq.quantize(model, config, batches())
-    assert "use " in str(err.value)  # names what to use
-    assert not any(isinstance(m, mtq.QuantModule) for m in model.modules())  # nothing half-done
-
-
 @pytest.mark.parametrize("name", sorted(MTQ_FUNCTIONS))
 def test_mtq_functions_take_the_reference_parameters(name):
     assert _params(getattr(mtq, name))[: len(MTQ_FUNCTIONS[name])] == MTQ_FUNCTIONS[name]
@@ -215,7 +193,7 @@ def test_refused_features_raise_not_implemented_naming_the_alternative(call, alt
 
 
 def test_unsupported_algorithms_and_attributes_are_not_implemented_and_value_errors():
-    for algorithm in ("svdquant", "local_hessian", "nvfp4_act_headroom", "lsq"):
+    for algorithm in ("nvfp4_act_headroom", "lsq"):
         with pytest.raises(NotImplementedError, match=algorithm):
             mtq.QuantizeConfig.from_dict({"quant_cfg": [], "algorithm": {"method": algorithm}})
     with pytest.raises(ValueError, match="backend='x' is not supported"):  # also a ValueError, as before

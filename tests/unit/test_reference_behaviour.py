@@ -66,8 +66,7 @@ def test_calib_configs_validate_and_read_as_the_algorithm_dict():
         mtq.MaxCalibConfig(alpha=0.5)
     with pytest.raises(ValidationError, match="layerwise calibration"):
         mtq.MaxCalibConfig(layerwise={"enable": True})
-    with pytest.raises(NotImplementedError, match=r"svdquant.*awq_lite"):
-        mtq.SVDQuantConfig().config([{"quantizer_name": "*", "enable": False}])
+    assert mtq.SVDQuantConfig(lowrank=8).config([]).algorithm == {"method": "svdquant", "lowrank": 8}
 
 
 def test_quantize_takes_pydantic_entries_and_algorithm_configs(lib_caplog):

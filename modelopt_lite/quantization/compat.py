@@ -122,6 +122,8 @@ def _merged(stage: TensorQuantizer, partial: Mapping[str, Any], where: str) -> Q
     if "pass_through_bwd" in partial:
         current.pop("backward")
     merged = {**current, **partial}
+    if dict(partial) == {"enable": False}:  # as in the reference, this also stops a rotation
+        merged["rotate"] = False
     return quantizer_attributes(merged, merged["enable"], where)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import inspect
 import logging
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -34,10 +34,11 @@ from ..moe import coverage_report, reset_coverage
 from ..nn import QuantModule, SequentialQuantizer, TensorQuantizer, iter_quantizers
 from ..nn.calibrators import sync_calibrators
 from ..nn.quant_module import replaced_forward
-from .config import ALGORITHMS
+from .config import ALGORITHMS, algorithm_step
 
 __all__ = [
     "ForwardLoop",
+    "algorithm_steps",
     "calibrate",
     "calibration_mode",
     "check_algorithm",
@@ -68,20 +69,11 @@ def register_algorithm(name: str) -> Callable[[Callable[..., None]], Callable[..
 def check_algorithm(algorithm: str | Mapping[str, Any] | None) -> tuple[str | None, dict[str, Any]]:
     """``(name, options)`` of an algorithm spec; raises before anything is changed when the name is
     unknown, not available in this release, or options come without a method."""
-    options: dict[str, Any] = {}
-    if isinstance(algorithm, Mapping):
-        if "method" not in algorithm:
-            raise ValueError(
-                f"algorithm={dict(algorithm)!r} needs a 'method' key (one of {list(ALGORITHMS)})"
-            )
-        options = {k: v for k, v in algorithm.items() if k != "method"}
-        algorithm = algorithm["method"]
-        if algorithm is None and options:
-            raise ValueError(f"algorithm options {sorted(options)} given with method None")
+    algorithm, options = algorithm_step(algorithm)
     if algorithm is None:
+        if options:
+            raise ValueError(f"algorithm options {sorted(options)} given with method None")
         return None, {}
-    if not isinstance(algorithm, str):
-        raise TypeError(f"algorithm must be a name, a dict with 'method', or None; got {algorithm!r}")
     if algorithm not in _ALGORITHMS:
         if algorithm in ALGORITHMS:
             raise NotImplementedError(
@@ -98,16 +90,28 @@ def require_data(name: str, forward_loop: ForwardLoop | None) -> None:
         raise ValueError(f"algorithm {name!r} needs calibration data: pass a forward_loop")
 
 
+AlgorithmSpec = str | Mapping[str, Any] | None
+
+
+def algorithm_steps(algorithm: AlgorithmSpec | Sequence[AlgorithmSpec]) -> list[tuple[str, dict[str, Any]]]:
+    """``(name, options)`` of each algorithm of ``algorithm`` (one spec, or a list of specs to run in order;
+    ``None`` runs nothing), every one checked by :func:`check_algorithm` before any runs."""
+    specs = algorithm if isinstance(algorithm, (list, tuple)) else [algorithm]
+    steps = [check_algorithm(spec) for spec in specs]
+    return [(name, options) for name, options in steps if name is not None]
+
+
 def calibrate(
     model: nn.Module,
-    algorithm: str | Mapping[str, Any] | None = "max",
+    algorithm: AlgorithmSpec | Sequence[AlgorithmSpec] = "max",
     forward_loop: ForwardLoop | None = None,
 ) -> nn.Module:
     """Calibrate the quantizers of an already quantized ``model`` with ``algorithm`` (a name, a dict with
-    ``"method"`` and options, or ``None`` for nothing). Returns ``model``."""
-    algorithm, options = check_algorithm(algorithm)
+    ``"method"`` and options, or ``None`` for nothing; or a list of these, run one after the other on the
+    same ``forward_loop``, as the reference does). Returns ``model``."""
+    steps = algorithm_steps(algorithm)
     forward_loop = _taking_the_model(forward_loop)
-    if algorithm is None:
+    if not steps:
         try:
             check_calibrated(model)
         except RuntimeError as err:
@@ -118,11 +122,25 @@ def calibrate(
         raise ValueError("the model has no quantizers: call mtq.quantize(model, config, ...) first")
     if is_distributed():
         check_same_on_all_ranks(names, "the quantizers of the model")
-        if algorithm != "max" and is_sharded(model):
-            raise NotImplementedError(
-                f"algorithm {algorithm!r} on an FSDP2-sharded model: quantize before fully_shard (the search "
-                "algorithms change whole weights); max calibration works on sharded models"
-            )
+    for algorithm, _ in steps:
+        _check_placement(model, algorithm)
+    for algorithm, options in steps:
+        _ALGORITHMS[algorithm](model, forward_loop, **options)
+        if is_distributed() and algorithm != "max":
+            # Search algorithms ran on each rank's data: make rank 0's result everyone's (weights they
+            # changed and quantizer buffers; DDP would broadcast them at wrap time, FSDP2 does not).
+            broadcast_tensors([*model.parameters(), *_quantizer_buffers(model)])
+    check_calibrated(model)
+    return model
+
+
+def _check_placement(model: nn.Module, algorithm: str) -> None:
+    """Search algorithms need whole weights: refuse FSDP2-sharded and (beyond max / mse) offloaded models."""
+    if algorithm != "max" and is_distributed() and is_sharded(model):
+        raise NotImplementedError(
+            f"algorithm {algorithm!r} on an FSDP2-sharded model: quantize before fully_shard (the search "
+            "algorithms change whole weights); max calibration works on sharded models"
+        )
     if algorithm not in ("max", "mse") and has_offloaded_weights(model):
         raise NotImplementedError(
             f"algorithm {algorithm!r} reads and changes weights outside the forward pass, and accelerate "
@@ -130,13 +148,6 @@ def calibrate(
             "offload_folder): load the model without offloading for this algorithm, or use 'max' or 'mse' "
             "(they support offloaded weights)"
         )
-    _ALGORITHMS[algorithm](model, forward_loop, **options)
-    if is_distributed() and algorithm != "max":
-        # Search algorithms ran on each rank's data: make rank 0's result everyone's (weights they changed
-        # and quantizer buffers; DDP would broadcast them at wrap time, FSDP2 does not).
-        broadcast_tensors([*model.parameters(), *_quantizer_buffers(model)])
-    check_calibrated(model)
-    return model
 
 
 def _taking_the_model(forward_loop: ForwardLoop | None) -> ForwardLoop | None:

@@ -204,21 +204,14 @@ class QuantizeConfig:
 
     @property
     def algorithm_name(self) -> str | None:
-        if isinstance(self.algorithm, Mapping):
-            if "method" not in self.algorithm:
-                raise ValueError(f"algorithm={self.algorithm!r} needs a 'method' key")
-            return self.algorithm["method"]
-        if self.algorithm is not None and not isinstance(self.algorithm, str):
-            raise TypeError(
-                f"algorithm must be a name, a dict with 'method', or None; got {self.algorithm!r}"
-            )
-        return self.algorithm
+        """The algorithm's name; for a list, the names joined by ``" + "`` (``None``: no calibration)."""
+        return " + ".join(name for name, _ in self.algorithm_steps) or None
 
     @property
     def algorithm_options(self) -> dict[str, Any]:
-        if isinstance(self.algorithm, Mapping):
-            return {k: v for k, v in self.algorithm.items() if k != "method"}
-        return {}
+        """The options of a single algorithm (a list has them per step: :attr:`algorithm_steps`)."""
+        steps = self.algorithm_steps
+        return steps[0][1] if len(steps) == 1 else {}
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any]) -> QuantizeConfig:
@@ -252,7 +245,7 @@ class QuantizeConfig:
     def same_as(self, other: QuantizeConfig) -> bool:
         """Whether both configs do the same thing (e.g. a preset and its JSON / YAML round trip)."""
         return [r.normalized() for r in self.quant_cfg] == [r.normalized() for r in other.quant_cfg] and (
-            (self.algorithm_name, self.algorithm_options) == (other.algorithm_name, other.algorithm_options)
+            self.algorithm_steps == other.algorithm_steps
         )
 
     def ordered_rules(self) -> list[tuple[int, QuantRule]]:

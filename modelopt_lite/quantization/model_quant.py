@@ -14,7 +14,7 @@ from ..distributed import weight_access
 from ..logging import get_logger
 from ..moe import unquantized_experts
 from ..nn import QuantizerAttributes, QuantModule, iter_quantizers
-from .calibrate import ForwardLoop, calibrate, check_algorithm
+from .calibrate import ForwardLoop, algorithm_steps, calibrate
 from .config import QuantizeConfig, QuantRule
 from .insertion import (
     STATE_ATTR,
@@ -118,7 +118,7 @@ def quantize(
     ``skip_calibration=True`` only inserts and configures the quantizers, e.g. before ``fully_shard``;
     calibrate afterwards with ``mtq.calibrate(model, algorithm, forward_loop)`` (on every rank)."""
     cfg = resolve_config(config)
-    check_algorithm(cfg.algorithm)  # unknown / unavailable algorithms fail before the model is touched
+    algorithm_steps(cfg.algorithm)  # unknown / unavailable algorithms fail before the model is touched
     previous = quant_state(model)
     if previous is not None:
         if not previous.config.same_as(cfg):

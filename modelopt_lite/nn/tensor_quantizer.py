@@ -305,8 +305,10 @@ class TensorQuantizer(nn.Module):
         self._pre_quant_scale = value
 
     def reset_amax(self) -> None:
+        """Forget the amax (and, as in the reference, the bias) and the statistics collected so far."""
         self._store_amax(None)
         self._calibrator.reset()
+        self.reset_bias()
 
     # ----------------------------------------------------------------------- modes
     def enable(self) -> None:

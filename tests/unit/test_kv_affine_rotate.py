@@ -100,6 +100,8 @@ def test_static_bias_is_the_running_mean_per_head_and_channel():
     assert q.amax.item() == max((x1 - m1).abs().max().item(), (x2 - (m1 + m2) / 2).abs().max().item())
     q.bias_value = torch.zeros(1, 2, 1, 4)  # a zero bias: plain FP8 with that amax
     assert torch.equal(q(x1), TensorQuantizer(FP8, amax=q.amax)(x1))
+    q.reset_amax()  # as the reference's, also forgets the bias
+    assert q.bias_value is None
 
 
 def test_nvfp4_affine_quantizes_the_input_itself_with_the_amax_of_the_centred_input():

@@ -175,13 +175,33 @@ class QuantRule:
         raise TypeError(f"quant_cfg[{pattern!r}]={value!r}: expected a mapping of attributes or a list")
 
 
+def algorithm_step(algorithm: Any) -> tuple[str | None, dict[str, Any]]:
+    """``(name, options)`` of one algorithm spec (a name, ``{"method": ..., **options}`` or ``None``); a spec
+    of another type raises ``TypeError``, a dict without ``"method"`` ``ValueError``."""
+    if isinstance(algorithm, Mapping):
+        if "method" not in algorithm:
+            raise ValueError(
+                f"algorithm={dict(algorithm)!r} needs a 'method' key (one of {list(ALGORITHMS)})"
+            )
+        return algorithm["method"], {k: v for k, v in algorithm.items() if k != "method"}
+    if algorithm is not None and not isinstance(algorithm, str):
+        raise TypeError(
+            f"algorithm must be a name, a dict with 'method', None, or a list of these; got {algorithm!r}"
+        )
+    return algorithm, {}
+
+
+def _copy_step(algorithm: Any) -> Any:
+    return copy.deepcopy(dict(algorithm)) if isinstance(algorithm, Mapping) else algorithm
+
+
 @dataclass(frozen=True)
 class QuantizeConfig:
-    """Rules (applied in order) and the calibration algorithm (a name, ``{"method": ..., **options}``
-    or ``None``)."""
+    """Rules (applied in order) and the calibration algorithm (a name, ``{"method": ..., **options}``,
+    ``None``, or a list of these, applied one after the other as in the reference)."""
 
     quant_cfg: tuple[QuantRule, ...]
-    algorithm: str | Mapping[str, Any] | None = "max"
+    algorithm: str | Mapping[str, Any] | list[str | Mapping[str, Any] | None] | None = "max"
 
     def __post_init__(self) -> None:
         # the reference's keyword form QuantizeConfig(quant_cfg=[{...}, ...]) gives entries as mappings
@@ -192,15 +212,23 @@ class QuantizeConfig:
         for rule in self.quant_cfg:
             if not isinstance(rule, QuantRule):
                 raise TypeError(f"quant_cfg must hold QuantRule objects, got {type(rule).__name__}")
-        if isinstance(self.algorithm, Mapping):
-            object.__setattr__(self, "algorithm", copy.deepcopy(dict(self.algorithm)))
-        name = self.algorithm_name
-        if name is not None and name not in ALGORITHMS:
-            raise ValueError(f"algorithm={name!r} is unknown (allowed: {list(ALGORITHMS)} or None)")
-        if name in UNSUPPORTED_ALGORITHMS:
-            raise UnsupportedFeatureError(
-                f"algorithm={name!r} is not supported: {UNSUPPORTED_ALGORITHMS[name]}"
-            )
+        if isinstance(self.algorithm, (list, tuple)):
+            object.__setattr__(self, "algorithm", [_copy_step(a) for a in self.algorithm])
+        else:
+            object.__setattr__(self, "algorithm", _copy_step(self.algorithm))
+        for name, _ in self.algorithm_steps:
+            if name not in ALGORITHMS:
+                raise ValueError(f"algorithm={name!r} is unknown (allowed: {list(ALGORITHMS)} or None)")
+            if name in UNSUPPORTED_ALGORITHMS:
+                raise UnsupportedFeatureError(
+                    f"algorithm={name!r} is not supported: {UNSUPPORTED_ALGORITHMS[name]}"
+                )
+
+    @property
+    def algorithm_steps(self) -> list[tuple[str, dict[str, Any]]]:
+        """``(name, options)`` of each algorithm to run, in order (``None`` entries run nothing)."""
+        steps = self.algorithm if isinstance(self.algorithm, list) else [self.algorithm]
+        return [(name, options) for a in steps for name, options in [algorithm_step(a)] if name is not None]
 
     @property
     def algorithm_name(self) -> str | None:

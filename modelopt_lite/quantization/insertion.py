@@ -23,6 +23,7 @@ __all__ = [
     "insert_quantizers",
     "match_name",
     "remove_quantizers",
+    "set_enabled",
     "snapshot_implementations",
 ]
 
@@ -218,7 +219,7 @@ def apply_config(model: nn.Module, config: QuantizeConfig, index_offset: int = 0
             hits += 1
             provenance.rules.setdefault(name, []).append((index, rule.describe()))
             if attrs is None:
-                _toggle(quantizer, rule.enable)
+                set_enabled(quantizer, rule.enable)
             else:
                 replaced |= _set(parent, slot, name, quantizer, attrs)
         if hits == 0:
@@ -234,8 +235,9 @@ def apply_config(model: nn.Module, config: QuantizeConfig, index_offset: int = 0
     return provenance
 
 
-def _toggle(quantizer, enable: bool) -> None:
-    """A rule with ``enable`` and no ``cfg``; as in the reference, disabling also stops a rotation."""
+def set_enabled(quantizer, enable: bool) -> None:
+    """Enable or disable ``quantizer`` (a rule with ``enable`` and no ``cfg``, ``mtq.enable_quantizer`` /
+    ``disable_quantizer``); as in the reference, disabling this way also stops a rotation."""
     if enable:
         quantizer.enable()
         return

@@ -23,6 +23,7 @@ from .insertion import (
     insert_quantizers,
     match_name,
     remove_quantizers,
+    set_enabled,
     snapshot_implementations,
     use_experts_implementation,
 )
@@ -232,7 +233,7 @@ def _set_enabled(model: nn.Module, pattern: str | Callable[[str], bool], enable:
             if callable(pattern)
             else (fnmatch.fnmatchcase(match_name(name), pattern) or fnmatch.fnmatchcase(name, pattern))
         ):
-            q.enable() if enable else q.disable()
+            set_enabled(q, enable)
             count += 1
     if count == 0:
         logger.warning("pattern %r matched no quantizer", pattern)

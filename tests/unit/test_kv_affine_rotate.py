@@ -191,9 +191,11 @@ def test_rotating_the_query_and_the_keys_leaves_attention_unchanged():
     # a rule that only disables (as the reference's {"enable": False}) also stops the rotation
     mtq.set_quantizer_by_cfg(keys_only, [{"quantizer_name": "*", "enable": False}])
     mtq.set_quantizer_attributes_partial(both, "*", {"enable": False})
+    mtq.disable_quantizer(rotated := mtq.quantize(tiny_llama(), _rotation_cfg(False), data), "*")
     with torch.no_grad():
         torch.testing.assert_close(keys_only(data[0]).logits, ref, rtol=0, atol=0)
         torch.testing.assert_close(both(data[0]).logits, ref, rtol=0, atol=0)
+        torch.testing.assert_close(rotated(data[0]).logits, ref, rtol=0, atol=0)
 
 
 def _kv_quantized(model_preset: str, kv_preset: str, model=None):

@@ -158,7 +158,8 @@ class QuantAttention(QuantModule):
         self.p_bmm_quantizer.disable()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if any(getattr(self, slot).is_enabled for slot in (*_SLOTS, "p_bmm_quantizer")):
+        quantizers = [getattr(self, slot) for slot in (*_SLOTS, "p_bmm_quantizer")]
+        if any(q.is_enabled or q.attributes.rotation() for q in quantizers):  # (a disabled one may rotate)
             impl = getattr(getattr(self, "config", None), "_attn_implementation", None)
             if impl not in KV_ATTENTION_IMPLEMENTATIONS.values():
                 raise RuntimeError(

@@ -188,6 +188,10 @@ def test_rotating_the_query_and_the_keys_leaves_attention_unchanged():
         ref, out_both, out_keys = plain(data[0]).logits, both(data[0]).logits, keys_only(data[0]).logits
     torch.testing.assert_close(out_both, ref, rtol=0, atol=1e-5)
     assert (out_keys - ref).abs().max() > 1e-3  # the rotation happens: rotating only the keys changes it
+    keys_only.set_attn_implementation("sdpa")  # an implementation that would skip the rotation: refused
+    with pytest.raises(RuntimeError, match="would bypass them"):
+        keys_only(data[0])
+    keys_only.set_attn_implementation("modelopt_lite_sdpa")
     # a rule that only disables (as the reference's {"enable": False}) also stops the rotation
     mtq.set_quantizer_by_cfg(keys_only, [{"quantizer_name": "*", "enable": False}])
     mtq.set_quantizer_attributes_partial(both, "*", {"enable": False})

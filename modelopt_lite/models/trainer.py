@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm.auto import tqdm
 
+from .. import evaluation
+from ..data import token_stream, windows
 from ..logging import get_logger
 from .corpus import corpus_texts
 from .specs import DefaultModelSpec
@@ -58,37 +59,12 @@ def build_model(spec: DefaultModelSpec, tokenizer: PreTrainedTokenizerFast) -> P
         return model_cls(config).float()
 
 
-def token_stream(tokenizer: PreTrainedTokenizerFast, texts: Sequence[str]) -> torch.Tensor:
-    """All texts as one 1-D id tensor, each wrapped as ``bos text eos``."""
-    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
-    ids: list[int] = []
-    for row in tokenizer(list(texts), add_special_tokens=False)["input_ids"]:
-        ids += [bos, *row, eos]
-    return torch.tensor(ids, dtype=torch.long)
-
-
-def _windows(stream: torch.Tensor, seq_len: int) -> torch.Tensor:
-    count = stream.numel() // seq_len
-    if count == 0:
-        raise ValueError(f"{stream.numel()} tokens: fewer than one window of seq_len={seq_len}")
-    return stream[: count * seq_len].view(count, seq_len)
-
-
-@torch.no_grad()
 def heldout_perplexity(
     model: PreTrainedModel, stream: torch.Tensor, seq_len: int, batch_size: int = 16
 ) -> float:
-    """Perplexity on consecutive, non-overlapping ``seq_len`` windows of ``stream`` (the tail is dropped)."""
-    was_training = model.training
-    model.eval()
-    windows = _windows(stream, seq_len).to(model.device)
-    total, tokens = 0.0, 0
-    for batch in windows.split(batch_size):
-        n = batch.numel() - batch.shape[0]
-        total += float(model(input_ids=batch, labels=batch).loss) * n
-        tokens += n
-    model.train(was_training)
-    return math.exp(total / tokens)
+    """Perplexity on consecutive, non-overlapping ``seq_len`` windows of ``stream`` (the tail is dropped):
+    ``modelopt_lite.evaluation.perplexity``, the one held-out protocol."""
+    return evaluation.perplexity(model, windows(stream, seq_len), batch_size)
 
 
 def unigram_perplexity(
@@ -98,7 +74,7 @@ def unigram_perplexity(
     predicts (each window's tokens after its first): the baseline a language model has to beat."""
     counts = torch.bincount(train_stream, minlength=vocab_size).double() + 1.0
     log_p = counts.log() - counts.sum().log()
-    targets = _windows(eval_stream, seq_len)[:, 1:].reshape(-1)
+    targets = windows(eval_stream, seq_len)[:, 1:].reshape(-1)
     return math.exp(float(-log_p[targets].mean()))
 
 

@@ -17,7 +17,7 @@ trained (``bos text eos`` per document):
 * ``test``: the reported figures (``test`` columns, the table, the PNG); never read for a choice.
 
 Perplexity: consecutive, non-overlapping windows of ``max_position_embeddings`` tokens (tail dropped),
-every predicted token counted (``models.trainer.heldout_perplexity``). ``KL``: mean KL(unquantized || row)
+every predicted token counted (``modelopt_lite.evaluation``). ``KL``: mean KL(unquantized || row)
 per predicted token on the test windows, in 1e-3 nats.
 
 Rows. PTQ (fake quant, calibrated on the same windows):
@@ -204,31 +204,29 @@ class TokenWindows:
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def _ppl(model: Any, windows: Any) -> float:
-    from modelopt_lite.models.trainer import heldout_perplexity
+# the measuring functions are modelopt_lite.evaluation's (torch only), imported on use: the peer worker runs
+# this module in another virtualenv with the repository root on PYTHONPATH
 
-    return heldout_perplexity(model, windows.reshape(-1), windows.shape[1])
+
+def _ppl(model: Any, windows: Any) -> float:
+    """Perplexity by the one protocol (``modelopt_lite.evaluation.perplexity``)."""
+    from modelopt_lite.evaluation import perplexity
+
+    return perplexity(model, windows)
 
 
 def _kl(base_logprobs: list[Any], model: Any, windows: Any, batch_size: int = 8) -> float:
-    """Mean KL(unquantized || model) in nats per predicted token (``base_logprobs``: per batch)."""
-    import torch
+    """Mean KL(unquantized || model) in nats per predicted token (``modelopt_lite.evaluation``)."""
+    from modelopt_lite.evaluation import kl_per_token
 
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for ref, batch in zip(base_logprobs, windows.split(batch_size), strict=True):
-            out = model(input_ids=batch).logits[:, :-1].float().log_softmax(-1)
-            total += float((ref.exp() * (ref - out)).sum())
-            count += ref.shape[0] * ref.shape[1]
-    return total / count
+    return kl_per_token(base_logprobs, model, windows, batch_size)
 
 
 def base_logprobs(model: Any, windows: Any, batch_size: int = 8) -> list[Any]:
     """The unquantized model's next-token log-probabilities on ``windows``, per batch (for :func:`_kl`)."""
-    import torch
+    from modelopt_lite.evaluation import reference_logprobs
 
-    with torch.no_grad():
-        return [model(input_ids=b).logits[:, :-1].float().log_softmax(-1) for b in windows.split(batch_size)]
+    return reference_logprobs(model, windows, batch_size)
 
 
 def ptq_config(row: str) -> dict[str, Any]:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import modelopt_lite.quantization as mtq
-from modelopt_lite.quantization.mse import fp8_scale_candidates
+from modelopt_lite.quantization.mse import fp8_scale_candidates, search_options
 
 from ._models import batches, tiny_llama
 from .test_nvfp4_static import expected_static
@@ -106,6 +106,9 @@ def test_multiplier_grid_and_a_block_size_that_does_not_divide_the_inputs(lib_ca
     block_max = w.abs().reshape(-1, 1, 16).amax(-1)
     ratio = (q.amax / block_max).reshape(-1)
     multipliers = torch.linspace(0.5, 1.5, 11)
+    reference_grid, _ = search_options("local_hessian", {}, 0.25, 4.0, 0.1, True)  # the reference's defaults:
+    assert len(reference_grid) == 39  # ceil((4.0 - 0.25) / 0.1) + 1 evenly spaced points, both ends included
+    assert (reference_grid[0], reference_grid[-1]) == (0.25, 4.0)
     assert torch.isclose(ratio.unsqueeze(1), multipliers).any(1).all()  # each block: one grid multiplier
     # 64 inputs are no multiple of 24: no Hessian, the plain squared error (= mse on the same grid)
     plain, _, _ = _quantize("NVFP4_W4A4_WEIGHT_LOCAL_HESSIAN_CFG", {**grid, "block_size": 24})
@@ -135,3 +138,19 @@ def test_preset_on_a_model_and_the_config_class():
     bad = {**mtq.NVFP4_W4A4_WEIGHT_LOCAL_HESSIAN_CFG, "algorithm": {"method": "local_hessian", "alpha": 1}}
     with pytest.raises(ValueError, match=r"unknown option\(s\) \['alpha'\]"):
         mtq.quantize(tiny_llama(layers=1), bad, data)
+
+
+def test_hessians_come_from_a_pass_with_quantized_activations_and_unquantized_weights():
+    g = torch.Generator().manual_seed(5)
+    model = nn.Sequential(nn.Linear(32, 48), nn.Linear(48, 16))
+    x = torch.randn(3, 8, 32, generator=g) * torch.logspace(-1, 1, 32)
+    w0 = model[0].weight.detach().clone()
+    cfg = {**mtq.NVFP4_W4A4_WEIGHT_LOCAL_HESSIAN_CFG, "algorithm": {"method": "local_hessian", "debug": True}}
+    mtq.quantize(model, cfg, lambda m: [m(b) for b in x])
+    kept = model._local_hessian_accumulators["1.weight_quantizer"]
+    with torch.no_grad():
+        y = (model[0].input_quantizer(x) @ w0.t() + model[0].bias).reshape(-1, 3, 16)  # what layer 1 reads
+        plain = (x @ w0.t() + model[0].bias).reshape(-1, 3, 16)
+    expected = torch.stack([y[:, n].t() @ y[:, n] for n in range(3)]) / y.shape[0]
+    assert torch.allclose(kept, expected, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(kept, torch.stack([plain[:, n].t() @ plain[:, n] for n in range(3)]) / 24)

@@ -170,7 +170,7 @@ REFUSED = [
     (lambda: qnn.QuantConv2d(3, 3, 3), "LLM linear"),
     (lambda: qnn.QuantEmbedding(10, 4), "high precision"),
     (lambda: mtq.calib.MseCalibrator(8), "'mse' calibration algorithm"),
-    (lambda: qnn.SVDQuantLinear(4, 4), "awq_lite"),
+    (lambda: qnn.SVDQuantLinear(4, 4), "NVFP4_SVDQUANT_DEFAULT_CFG"),
     (lambda: qnn.RealQuantLinear(4, 4), "export_hf_checkpoint"),
     (lambda: mto.apply_mode(nn.Linear(2, 2), "fastnas"), "mtq.quantize"),
     (lambda: mto.ModeloptStateManager(), "mto.modelopt_state"),

@@ -12,9 +12,10 @@
   forward computations without autograd.
 
 The ONNX-only arguments (``trt_high_precision_dtype``, ``block_size`` / ``axis`` of ``fake_tensor_quant``,
-``onnx_quantizer_type``) are accepted and change nothing. A ``bias`` (affine quantization) raises
-:class:`~.config.UnsupportedFeatureError`. :func:`static_blockwise_fp4_fake_quant` is static NVFP4 (a
-calibrated amax per block, four-over-six with ``fp8_max_for_normalization=256``).
+``onnx_quantizer_type``) are accepted and change nothing. A ``bias`` (affine quantization, broadcast against
+``inputs``) is subtracted before the integer / FP8 fake quant and added back after; as in the reference,
+:func:`dynamic_block_quant` quantizes the input itself. :func:`static_blockwise_fp4_fake_quant` is static
+NVFP4 (a calibrated amax per block, four-over-six with ``fp8_max_for_normalization=256``).
 """
 
 from __future__ import annotations
@@ -100,11 +101,14 @@ def _ste(x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor], bound: Any
     return fn(x)
 
 
-def _no_bias(bias: Any, name: str) -> None:
-    if bias is not None:
-        raise UnsupportedFeatureError(
-            f"{name}(bias=...): affine quantization is not implemented; pass bias=None"
-        )
+def _affine(
+    inputs: torch.Tensor, bias: torch.Tensor | None, quantize: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """``quantize(inputs - bias) + bias`` (a clipped backward sees the centred input); no bias: as it is."""
+    if bias is None:
+        return quantize(inputs)
+    bias = torch.as_tensor(bias, dtype=inputs.dtype, device=inputs.device)
+    return quantize(inputs - bias) + bias
 
 
 def fake_quant_impl(
@@ -132,12 +136,15 @@ def fake_tensor_quant(
 ) -> torch.Tensor:
     """Integer fake quant with a straight-through backward (clipped at ``amax`` unless
     ``pass_through_bwd``)."""
-    _no_bias(bias, "fake_tensor_quant")
     amax = torch.as_tensor(amax)
-    return _ste(
+    return _affine(
         inputs,
-        lambda x: fake_quant_impl(x, amax, num_bits, unsigned, narrow_range),
-        None if pass_through_bwd else amax,
+        bias,
+        lambda c: _ste(
+            c,
+            lambda x: fake_quant_impl(x, amax, num_bits, unsigned, narrow_range),
+            None if pass_through_bwd else amax,
+        ),
     )
 
 
@@ -162,14 +169,14 @@ def scaled_e4m3(
 ) -> torch.Tensor:
     """FP8 (``E``, ``M`` = 4, 3 or 5, 2) fake quant with a straight-through backward (clipped at ``amax``
     unless ``pass_through_bwd`` or no ``amax``)."""
-    _no_bias(bias, "scaled_e4m3")
     bits = (E, M)
     if bits == (4, 3) and amax is None:
-        return _ste(inputs, scaled_e4m3_impl, None)
+        return _affine(inputs, bias, lambda c: _ste(c, scaled_e4m3_impl, None))
     scale = torch.as_tensor(amax) if amax is not None else None
     if scale is None:
         raise ValueError(f"scaled_e4m3: E={E}, M={M} needs an amax")
-    return _ste(inputs, lambda x: fp8_fake_quant(x, scale, bits), None if pass_through_bwd else scale)
+    bound = None if pass_through_bwd else scale
+    return _affine(inputs, bias, lambda c: _ste(c, lambda x: fp8_fake_quant(x, scale, bits), bound))
 
 
 def dynamic_block_quant(
@@ -184,8 +191,8 @@ def dynamic_block_quant(
     pass_through_bwd: bool = True,
 ) -> torch.Tensor:
     """Dynamic block fake quant along the last dimension (NVFP4: ``num_bits=(2, 1), scale_bits=(4, 3)``
-    with ``amax`` the global amax; MX: ``scale_bits=(8, 0)``); straight-through backward."""
-    _no_bias(bias, "dynamic_block_quant")
+    with ``amax`` the global amax; MX: ``scale_bits=(8, 0)``); straight-through backward. ``bias`` is not
+    applied (the reference's kernel takes it and quantizes the input itself)."""
     spec = resolve_format(
         num_bits, None, {-1: block_size, "type": "dynamic", "scale_bits": scale_bits}, False, False
     )

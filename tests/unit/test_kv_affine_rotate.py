@@ -17,8 +17,9 @@ import modelopt_lite.quantization as mtq
 from modelopt_lite.export.layers import UnsupportedFormatError
 from modelopt_lite.formats import hadamard_transform
 from modelopt_lite.nn import TensorQuantizer
+from modelopt_lite.quantization import tensor_quant
 
-from ._expect import nvfp4_expect
+from ._expect import int_expect, nvfp4_expect
 from ._models import batches, tiny_llama
 
 AXES = {-2: None, -4: None}  # the reference's KV bias: per head and channel (reduced over batch, tokens)
@@ -88,6 +89,21 @@ def test_affine_fake_quant_equals_the_reference(case):
     q = _calibrated(cfg, _x1(), _x2())
     assert q.amax.item() == amax
     torch.testing.assert_close(q(_x1()).flatten(), torch.tensor(REFERENCE_OUT[case]), rtol=0, atol=1e-6)
+
+
+def test_functional_fake_quant_takes_a_bias_as_the_reference():
+    q = _calibrated(REFERENCE["fp8_mean"][0], _x1(), _x2())
+    x = _x1().requires_grad_()
+    y = tensor_quant.scaled_e4m3(x, q.amax, q.bias_value, 4, 3)
+    torch.testing.assert_close(y.flatten(), torch.tensor(REFERENCE_OUT["fp8_mean"]), rtol=0, atol=1e-6)
+    y.sum().backward()  # clipped where the centred input is beyond the amax
+    assert torch.equal(x.grad, ((_x1() - q.bias_value).abs() <= q.amax).float())
+    bias = _x1().mean(dim=(0, 2), keepdim=True)
+    y = tensor_quant.fake_tensor_quant(_x1(), torch.tensor(2.0), bias, 8, False, False)
+    np.testing.assert_allclose(y.numpy(), int_expect((_x1() - bias).numpy(), 2.0) + bias.numpy(), atol=1e-6)
+    x = _x1().repeat(1, 1, 1, 4)  # the dynamic block kernel quantizes the input itself, as the reference's
+    plain = tensor_quant.dynamic_block_quant(x, 16, torch.tensor(7.0), None, (2, 1), (4, 3))
+    assert torch.equal(tensor_quant.dynamic_block_quant(x, 16, torch.tensor(7.0), x, (2, 1), (4, 3)), plain)
 
 
 def test_static_bias_is_the_running_mean_per_head_and_channel():

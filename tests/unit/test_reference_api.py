@@ -181,7 +181,6 @@ REFUSED = [
         lambda: tensor_quant.static_blockwise_fp4_fake_quant(torch.ones(16), torch.ones(1), None, False),
         "quantize_block_scales=True",
     ),
-    (lambda: tensor_quant.fake_tensor_quant(torch.ones(4), torch.ones(()), torch.zeros(4)), "bias=None"),
 ]
 
 

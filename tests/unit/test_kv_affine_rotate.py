@@ -225,8 +225,12 @@ def _kv_quantized(model_preset: str, kv_preset: str, model=None):
     return mtq.quantize(model if model is not None else tiny_llama(), cfg, batches())
 
 
-def test_nvfp4_rotate_preset_quantizes_the_rotated_keys():
+def test_nvfp4_rotate_preset_quantizes_the_rotated_keys(tmp_path):
     model = _kv_quantized("NVFP4_DEFAULT_CFG", "NVFP4_KV_ROTATE_CFG")
+    mto.save(model, tmp_path / "q.pth")  # the rotation is part of the saved quantizer state
+    with torch.no_grad():
+        restored = mto.restore(tiny_llama(), tmp_path / "q.pth")
+        assert torch.equal(restored(batches()[0]).logits, model(batches()[0]).logits)
     attn = model.model.layers[0].self_attn
     seen = {}
 

@@ -40,8 +40,8 @@ _WHAT: dict[str, str] = {
     "VFRNNForward": "quantized RNNs are not supported",
     "RealQuantLinear": "real low-bit weights in memory (mtq.compress) are not implemented; export with "
     "modelopt_lite.export.export_hf_checkpoint",
-    "SVDQuantLinear": "the svdquant algorithm gives QuantLinear its low-rank branch (no class swap); quantize "
-    "with NVFP4_SVDQUANT_DEFAULT_CFG or algorithm 'svdquant'",
+    "SVDQuantLinear": "the svdquant algorithm gives QuantLinear its low-rank branch (no class swap); "
+    "quantize with NVFP4_SVDQUANT_DEFAULT_CFG or algorithm 'svdquant'",
     "GroupedQuantizer": "grouped quantizers are not implemented: fused MoE experts get one quantizer per "
     "expert",
     "NVFP4StaticQuantizer": "use TensorQuantizer with block_sizes type 'static' and scale_bits (4, 3) "

@@ -132,6 +132,12 @@ def test_nvfp4_affine_quantizes_the_input_itself_with_the_amax_of_the_centred_in
     np.testing.assert_array_equal(q(x1).numpy(), expected)
 
 
+def test_static_bias_calibration_in_several_processes_raises(monkeypatch):
+    monkeypatch.setattr("modelopt_lite.nn.tensor_quantizer.is_distributed", lambda: True)
+    with pytest.raises(NotImplementedError, match="not merged across ranks"):
+        _calibrated({**FP8, "bias": AXES}, _x1())
+
+
 def test_bias_settings_are_validated():
     for bad, match in [
         ({"type": "static"}, "axes to reduce over"),

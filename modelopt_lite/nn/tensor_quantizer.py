@@ -180,9 +180,10 @@ class TensorQuantizer(nn.Module):
             self._store_amax(None)  # an amax of another format / granularity means nothing here
         learn_changed = new.learn_amax != self._attrs.learn_amax
         if new.bias != self._attrs.bias:
-            self._bias_value = None
-            axes, method, _ = bias_settings(new.bias) if new.bias is not None else (None, "mean", None)
-            self._bias_calibrator = BiasCalibrator(method, axes) if new.bias is not None else None
+            self._bias_value, self._bias_calibrator = None, None
+            if new.bias is not None:
+                axes, method, _ = bias_settings(new.bias)
+                self._bias_calibrator = BiasCalibrator(method, axes)
         self._attrs, self._spec, self._calibrator = new, spec, calibrator
         self._rotation = new.rotation()
         if learn_changed and self._amax is not None:
@@ -543,10 +544,10 @@ class TensorQuantizer(nn.Module):
             parts.append("amax=dynamic")
         if self._pre_quant_scale is not None:
             parts.append(f"pre_quant_scale{tuple(self._pre_quant_scale.shape)}")
-        if self._bias_calibrator is not None:
-            value = self._bias_value
-            parts.append(f"bias{tuple(value.shape)}" if value is not None else f"bias={value}")
-            parts[-1] = parts[-1] if self._static_bias() else "bias=dynamic"
+        if self._bias_calibrator is not None and not self._static_bias():
+            parts.append("bias=dynamic")
+        elif self._bias_calibrator is not None:
+            parts.append("bias=None" if self._bias_value is None else f"bias{tuple(self._bias_value.shape)}")
         if self._rotation is not None:
             parts.append(self._rotation["mode"])
         if not self._quant_enabled:

@@ -40,7 +40,6 @@ from ..formats import (
     FormatSpec,
     fake_quant,
     fake_quant_learnable,
-    hadamard_block_size,
     hadamard_transform,
     learnable_amax_error,
     resolve_format,
@@ -84,8 +83,13 @@ class QuantizerAttributes:
         settings = {**_ROTATE_KEYS, **rotate}
         if settings["mode"] not in ("rotate", "rotate_back"):
             raise ValueError(f"rotate mode={settings['mode']!r} (allowed: 'rotate', 'rotate_back')")
-        if settings["block_size"] is not None:
-            hadamard_block_size(settings["block_size"], settings["block_size"])  # a power of two
+        block = settings["block_size"]
+        if block is not None and (
+            isinstance(block, bool) or not isinstance(block, int) or block < 1 or block & (block - 1)
+        ):
+            raise ValueError(
+                f"rotate block_size={block!r} must be a power of two (or None: the whole dimension)"
+            )
         return settings if settings["enable"] else None
 
     def spec(self) -> FormatSpec:

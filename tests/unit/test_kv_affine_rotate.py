@@ -173,6 +173,10 @@ def test_hadamard_transform_is_the_normalized_sylvester_matrix_in_blocks():
         hadamard_transform(torch.ones(2, 15))
     with pytest.raises(ValueError, match="power of two dividing"):
         hadamard_transform(torch.ones(2, 48), 32)
+    with pytest.raises(ValueError, match="block_size=12 must be a power of two"):
+        TensorQuantizer({"num_bits": 8, "rotate": {"enable": True, "block_size": 12}})
+    with pytest.raises(ValueError, match="mode='back'"):
+        TensorQuantizer({"num_bits": 8, "rotate": {"enable": True, "mode": "back"}})
     with pytest.raises(ValueError, match="k_bmm_quantizer: Hadamard rotation"):
         TensorQuantizer("k_bmm_quantizer", rotate=True, enable=False)(torch.ones(2, 15))
 

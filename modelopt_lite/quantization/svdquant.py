@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ..logging import get_logger
+from ..nn import TensorQuantizer
 from ..nn.quant_linear import set_lowrank_factors
 from .awq import awq_lite
 from .calibrate import ForwardLoop, max_calibrate, register_algorithm, require_data
@@ -58,6 +59,15 @@ def svdquant(model: nn.Module, forward_loop: ForwardLoop | None, **options: Any)
     require_data("svdquant", forward_loop)
     layers = [t for t in linear_targets(model) if t.expert is None and t.weight_quantizer.is_enabled]
     skipped = [t for t in layers if any(fnmatch.fnmatch(t.name, p) for p in skip)]
+    sequential = [
+        t.name for t in layers if t not in skipped and not isinstance(t.weight_quantizer, TensorQuantizer)
+    ]
+    if sequential:
+        raise ValueError(
+            f"svdquant: {sequential[0]} (and {len(sequential) - 1} more) has a sequential weight quantizer "
+            "(W4A8), which gets no low-rank branch (as in the reference): exclude it with skip_layers or use "
+            "awq_lite"
+        )
     paused = [q for t in skipped for q in (t.weight_quantizer, t.input_quantizer) if q.is_enabled]
     for q in paused:  # kept out of the AWQ search; max-calibrated like the rest at the end
         q.disable()

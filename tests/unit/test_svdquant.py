@@ -131,5 +131,8 @@ def test_preset_save_restore_skip_layers_and_export_refusal(tmp_path):
     default = tiny_llama(layers=1)
     mtq.quantize(default, mtq.NVFP4_SVDQUANT_DEFAULT_CFG, lambda m: [m(b) for b in data])  # rank 32
     assert default.model.layers[0].mlp.down_proj.weight_quantizer._svdquant_lora_a.shape == (32, 128)
+    w4a8 = {**mtq.W4A8_AWQ_BETA_CFG, "algorithm": {"method": "svdquant", "lowrank": 8}}
+    with pytest.raises(ValueError, match="sequential weight quantizer"):
+        mtq.quantize(tiny_llama(layers=1), w4a8, data)
     with pytest.raises(ValueError, match="lowrank=0 must be a positive integer"):
         mtq.quantize(tiny_llama(layers=1), {**skip, "algorithm": {"method": "svdquant", "lowrank": 0}}, data)

@@ -58,9 +58,9 @@ def _read(source: str | Path, text_field: str, split: str) -> list[str]:
     if path.is_dir():
         try:
             data = datasets.load_from_disk(str(path))
-        except FileNotFoundError as err:
+        except Exception as err:  # datasets raises many types here; the message says what happened
             raise ValueError(
-                f"{path}: a directory, but not one written by datasets' save_to_disk ({err})"
+                f"{path}: a directory datasets' load_from_disk cannot read ({type(err).__name__}: {err})"
             ) from None
         if isinstance(data, datasets.DatasetDict):
             if split not in data:

@@ -9,15 +9,17 @@ Arguments: ``ModelArguments`` and ``DataArguments`` below, ``transformers.Traini
 command line overrides it. Without ``--model_name_or_path`` the bundled default model (``--default_model
 dense|moe``) is used, trained on first use; without ``--dataset``, its corpus (CPython's documentation).
 ``--teacher_model same`` distils from the unquantized starting model (QAD); no teacher means QAT.
+``--dataset`` is any source ``modelopt_lite.data`` reads (local .txt / .md / .json / .jsonl / .csv / .parquet,
+a ``save_to_disk`` directory); its last ``--heldout_percent`` of documents are held out for evaluation.
 
 The run: held-out perplexity of the model as given, quantize + calibrate (PTQ), perplexity again, train,
-perplexity after, export a deployable checkpoint to ``<output_dir>/export`` and read it back.
+perplexity after, export a deployable checkpoint to ``<output_dir>/export`` and read it back. Perplexity and
+KL to the model as given follow ``modelopt_lite.evaluation``'s protocol (``eval_protocol`` in the results).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -27,11 +29,12 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, TrainingArguments
 
+from modelopt_lite import evaluation
+from modelopt_lite.data import TokenWindows, heldout_split, load_texts, token_stream
 from modelopt_lite.distributed import is_sharded
 from modelopt_lite.export import export_hf_checkpoint
 from modelopt_lite.logging import get_logger
 from modelopt_lite.training import DistillationArguments, QADTrainer, QATTrainer, QuantizationArguments
-from modelopt_lite.training.calib_data import read_texts
 
 logger = get_logger("modelopt_lite.examples.llm_qat")
 
@@ -51,32 +54,25 @@ class DataArguments:
     dataset: str | None = field(
         default=None,
         metadata={
-            "help": "A local .txt / .json / .jsonl file (records with 'text'); default: the default "
-            "model's corpus (train split for training, held-out split for evaluation)."
+            "help": "A local .txt / .md / .json / .jsonl / .csv / .parquet file or a directory written by "
+            "datasets' save_to_disk (modelopt_lite.data); default: the default model's corpus (train split "
+            "for training, held-out split for evaluation)."
         },
     )
-    seq_len: int = field(default=128, metadata={"help": "Tokens per training / evaluation sample."})
+    text_field: str = field(default="text", metadata={"help": "The field of the records holding the text."})
+    seq_len: int = field(default=128, metadata={"help": "Tokens per training sample."})
     train_samples: int | None = field(default=None, metadata={"help": "Cap on training samples."})
-    eval_samples: int = field(default=64, metadata={"help": "Held-out samples for perplexity."})
+    eval_samples: int | None = field(
+        default=None, metadata={"help": "Cap on held-out windows for perplexity and KL (default: all)."}
+    )
+    eval_seq_len: int | None = field(
+        default=None,
+        metadata={"help": "Tokens per held-out window; default: the model's max_position_embeddings, at most "
+                  f"{evaluation.MAX_WINDOW}."},
+    )  # fmt: skip
     heldout_percent: float = field(
         default=10.0, metadata={"help": "With --dataset: the share of the file kept for evaluation."}
     )
-
-
-class TokenWindows(torch.utils.data.Dataset):
-    """Consecutive ``seq_len`` windows of a token stream as causal-LM samples."""
-
-    def __init__(self, stream: torch.Tensor, seq_len: int, limit: int | None = None):
-        count = stream.numel() // seq_len
-        if count == 0:
-            raise ValueError(f"{stream.numel()} tokens are fewer than one sample of seq_len={seq_len}")
-        self.ids = stream[: count * seq_len].view(count, seq_len)[:limit]
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 DATACLASSES = (ModelArguments, DataArguments, TrainingArguments, QuantizationArguments, DistillationArguments)
@@ -111,49 +107,17 @@ def parse(argv: list[str]) -> tuple[Any, ...]:
     return parser.parse_args_into_dataclasses(args=config_args + argv)
 
 
-def load_texts(data: DataArguments) -> tuple[list[str], list[str]]:
+def split_texts(data: DataArguments) -> tuple[list[str], list[str]]:
     """(train texts, held-out texts)."""
     if data.dataset is None:
         from modelopt_lite.models import corpus_texts
 
         return corpus_texts("train"), corpus_texts("heldout")
-    path = Path(data.dataset)
-    if not path.is_file():
-        raise SystemExit(f"--dataset {path}: no such file")
-    if path.suffix in (".json", ".jsonl"):
-        texts = read_texts(path)
-    else:
-        texts = [t for t in path.read_text(encoding="utf-8").split("\n\n") if t.strip()]
-    cut = max(1, int(len(texts) * (1 - data.heldout_percent / 100)))
-    if cut >= len(texts):
-        raise SystemExit(f"--dataset {path}: too little text to keep {data.heldout_percent}% for evaluation")
-    return texts[:cut], texts[cut:]
-
-
-def stream_of(tokenizer: Any, texts: list[str]) -> torch.Tensor:
-    ids: list[int] = []
-    for row in tokenizer(texts, add_special_tokens=False)["input_ids"]:
-        ids += (
-            [tokenizer.bos_token_id, *row, tokenizer.eos_token_id]
-            if tokenizer.bos_token_id is not None
-            else row
-        )
-    return torch.tensor(ids, dtype=torch.long)
-
-
-@torch.no_grad()
-def perplexity(model: torch.nn.Module, dataset: TokenWindows, batch_size: int = 8) -> float:
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    total, count = 0.0, 0
-    for batch in dataset.ids.split(batch_size):
-        batch = batch.to(device)
-        n = batch.numel() - batch.shape[0]
-        total += float(model(input_ids=batch, labels=batch).loss) * n
-        count += n
-    model.train(was_training)
-    return math.exp(total / count)
+    try:
+        texts = load_texts(data.dataset, text_field=data.text_field)
+        return heldout_split(texts, data.heldout_percent, f"--dataset {data.dataset}")
+    except ValueError as err:
+        raise SystemExit(f"--dataset: {err}") from None
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -170,11 +134,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     load = dict(dtype=dtype, trust_remote_code=model_args.trust_remote_code, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(path, **load)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    train_texts, eval_texts = load_texts(data)
-    train_set = TokenWindows(stream_of(tokenizer, train_texts), data.seq_len, data.train_samples)
-    eval_set = TokenWindows(stream_of(tokenizer, eval_texts), data.seq_len, data.eval_samples)
+    train_texts, eval_texts = split_texts(data)
+    train_set = TokenWindows(token_stream(tokenizer, train_texts), data.seq_len, data.train_samples)
+    eval_seq = data.eval_seq_len or evaluation.default_window(model.config)
+    held_out = TokenWindows(token_stream(tokenizer, eval_texts), eval_seq, data.eval_samples).ids
+    batch = training.per_device_eval_batch_size
     results: dict[str, Any] = {"model": path, "recipe": quant.recipe, "train_samples": len(train_set)}
-    results["ppl_baseline"] = perplexity(model, eval_set)
+    results["eval_protocol"] = evaluation.describe(held_out)
+    results["ppl_baseline"] = evaluation.perplexity(model, held_out, batch)
+    reference = evaluation.reference_within(model, held_out)  # for KL(model as given || model)
+
+    def measure(key: str, measured: Any) -> None:
+        results[f"ppl_{key}"] = evaluation.perplexity(measured, held_out, batch)
+        if reference is not None:
+            results[f"kl_{key}"] = evaluation.kl_per_token(reference, measured, held_out)
 
     teacher = distill.teacher_model
     if teacher == "same":
@@ -185,9 +158,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     trainer = QADTrainer(**common, distill_args=distill) if teacher else QATTrainer(**common)
     results["mode"] = "qad" if teacher else "qat"
     trainer.quantize_model()  # PTQ first, to report what training recovers
-    results["ppl_ptq"] = perplexity(model, eval_set)
+    measure("ptq", model)
     trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
-    results["ppl_after"] = perplexity(trainer.model, eval_set)
+    measure("after", trainer.model)
     results["tokens_trained"] = (
         trainer.state.global_step
         * training.per_device_train_batch_size
@@ -204,7 +177,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         reloaded = AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32)
         results["export_dir"] = str(export_dir)
         results["export_mb"] = round(exported.total_bytes / 1e6, 3)
-        results["ppl_exported_weights"] = perplexity(reloaded, eval_set)
+        measure("exported_weights", reloaded)
         logger.info("results: %s", json.dumps(results, indent=1))
         (Path(training.output_dir) / "results.json").write_text(json.dumps(results, indent=1))
     return results

@@ -8,7 +8,10 @@ Runs on CPU, offline.
 
 Without ``--pyt_ckpt_path`` the bundled default model is used (``--default_model moe`` (default) or
 ``dense``, see ``modelopt_lite.models``; trained into the user cache on first use, a few minutes on CPU).
-Without ``--dataset`` calibration reads the default corpus' train split and perplexity its held-out split.
+Without ``--dataset`` calibration reads the default corpus' train split and perplexity its held-out split;
+with it, the last ``--heldout_percent`` of its documents are held out for perplexity (``modelopt_lite.data``).
+Perplexity and KL(unquantized || quantized) follow the one protocol of ``modelopt_lite.evaluation``, stated
+in the output.
 
 ``--qformat a,b`` makes a mixed recipe: ``a`` for the attention projections, ``b`` for the MLP and experts
 (the two presets' calibration algorithms must agree, or one of them be plain max).
@@ -18,16 +21,15 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
-import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
+from .. import evaluation
 from .. import quantization as mtq
+from ..data import heldout_split, load_texts, token_stream, windows
 from ..logging import get_logger
 from ..quantization.presets import STANDARD_EXCLUSIONS
 from .layers import SUPPORTED
@@ -112,7 +114,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv_cache_qformat", default="none", choices=sorted(KV_FORMATS))
     p.add_argument("--recipe", default=None, help="a recipe name or YAML path (replaces --qformat)")
     p.add_argument("--calib_size", type=int, default=64, help="calibration samples of --calib_seq tokens")
-    p.add_argument("--eval_size", type=int, default=8, help="held-out samples for perplexity (0: skip)")
+    p.add_argument(
+        "--eval_size",
+        type=int,
+        default=None,
+        help="held-out windows for perplexity and KL (default: all; 0: skip)",
+    )
+    p.add_argument(
+        "--eval_seq",
+        type=int,
+        default=None,
+        help="tokens per held-out window; default: max_position_embeddings of the model, at most "
+        f"{evaluation.MAX_WINDOW}",
+    )
     p.add_argument("--batch_size", type=int, default=4)
     p.add_argument(
         "--calib_seq",
@@ -124,9 +138,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--dataset",
         nargs="+",
         default=None,
-        help="local .txt / .json / .jsonl files (field 'text'), or a dataset name cached offline; default: "
-        "the default models' corpus (CPython's documentation): calibration on its train split, perplexity on "
-        "its held-out split",
+        help="local .txt / .md / .json / .jsonl / .csv / .parquet files, directories written by datasets' "
+        "save_to_disk, or dataset names cached offline; default: the default models' corpus (CPython's "
+        "documentation): calibration on its train split, perplexity on its held-out split",
+    )
+    p.add_argument(
+        "--text_field", default="text", help="the field of the --dataset records that holds the text"
+    )
+    p.add_argument(
+        "--heldout_percent",
+        type=float,
+        default=10.0,
+        help="with --dataset: the share of its documents (the last ones) held out for perplexity",
     )
     p.add_argument("--experts_implementation", choices=["eager", "grouped_mm"], default=None)
     p.add_argument("--export_path", default=None, help="write a deployable checkpoint here (omit: no export)")
@@ -135,7 +158,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     p.add_argument("--trust_remote_code", action="store_true", help="run the model repository's own code")
     args = p.parse_args(argv)
-    for flag in ("calib_size", "batch_size", "calib_seq"):
+    if args.eval_size is not None and args.eval_size < 0:
+        p.error("--eval_size must be 0 (skip) or a positive integer")
+    for flag in ("calib_size", "batch_size", "calib_seq", "eval_seq"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             p.error(f"--{flag} must be a positive integer")
     if args.pyt_ckpt_path is not None and args.default_model is not None:
@@ -158,69 +183,41 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _texts(sources: list[str]) -> list[str]:
-    texts: list[str] = []
-    for src in sources:
-        path = Path(src)
-        if path.suffix in (".txt", ".md") and path.is_file():
-            texts.append(path.read_text())
-        elif path.suffix in (".json", ".jsonl") and path.is_file():
-            raw = path.read_text()
-            if path.suffix == ".jsonl":
-                rows = [json.loads(line) for line in raw.splitlines() if line.strip()]
-            else:
-                rows = json.loads(raw)
-            texts += [r["text"] if isinstance(r, dict) else str(r) for r in rows]
-        elif path.exists():
-            raise ValueError(f"--dataset {src}: expected a .txt, .md, .json or .jsonl file")
-        else:
-            try:
-                import datasets
-            except ImportError:
-                raise ValueError(f"--dataset {src}: no such file, and `datasets` is not installed") from None
-            texts += [row["text"] for row in datasets.load_dataset(src, split="train")]
-    return texts
-
-
-def _windows(tokenizer: Any, texts: list[str], seq: int, needed: int, what: str, source: str) -> torch.Tensor:
-    """The first ``needed`` windows of ``seq`` tokens of the joined ``texts``; ``what`` (the flags) and
-    ``source`` (the data) name them in the error."""
-    ids = tokenizer("\n\n".join(texts), return_tensors="pt").input_ids[0]
+def _windows(
+    tokenizer: Any, texts: list[str], seq: int, needed: int | None, what: str, source: str
+) -> torch.Tensor:
+    """The first ``needed`` (all when None) windows of ``seq`` tokens of ``texts`` (``data.windows``);
+    ``what`` (the flags) and ``source`` (the data) name them in the error."""
+    ids = token_stream(tokenizer, texts)
     count = ids.numel() // seq
-    if count < needed:
+    if count < (needed or 1):
         raise ValueError(
-            f"{what} = {needed} samples of {seq} tokens, but {source} has {ids.numel()} tokens "
-            f"({count} samples); lower --calib_size / --calib_seq or add data"
+            f"{what} = {needed or 1} samples of {seq} tokens, but {source} has {ids.numel()} tokens "
+            f"({count} samples); lower {what} / the sample length or add data"
         )
-    return ids[: needed * seq].view(needed, seq)
+    return windows(ids, seq, needed)
 
 
-def _samples(args: argparse.Namespace, tokenizer: Any, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(calibration, held-out) samples: from ``--dataset`` (one stream, calibration first), else the
-    default corpus' train and held-out splits."""
+def _samples(
+    args: argparse.Namespace, tokenizer: Any, seq: int, eval_seq: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(calibration, held-out) windows: from ``--dataset`` (its last ``--heldout_percent`` documents held
+    out), else the default corpus' train and held-out splits. No held-out windows with ``--eval_size 0``."""
     if args.dataset:
-        needed = args.calib_size + args.eval_size
-        samples = _windows(
-            tokenizer, _texts(args.dataset), seq, needed, "--calib_size + --eval_size", "the dataset"
+        texts = load_texts(args.dataset, text_field=args.text_field)
+        calib_texts, held_texts = (
+            heldout_split(texts, args.heldout_percent, "--dataset") if args.eval_size != 0 else (texts, [])
         )
-        return samples[: args.calib_size], samples[args.calib_size :]
-    from ..models import corpus_texts
+        calib_src, held_src = "the dataset", "the dataset's held-out documents"
+    else:
+        from ..models import corpus_texts
 
-    train, held = "the default corpus' train split", "the default corpus' held-out split"
-    calib = _windows(tokenizer, corpus_texts("train"), seq, args.calib_size, "--calib_size", train)
-    held_out = _windows(tokenizer, corpus_texts("heldout"), seq, args.eval_size, "--eval_size", held)
-    return calib, held_out
-
-
-@torch.no_grad()
-def perplexity(model: torch.nn.Module, samples: torch.Tensor, batch_size: int, device: str) -> float:
-    total, tokens = 0.0, 0
-    for i in tqdm(range(0, samples.shape[0], batch_size), desc="perplexity", leave=False):
-        batch = samples[i : i + batch_size].to(device)
-        loss = model(batch, labels=batch).loss
-        n = batch.numel() - batch.shape[0]
-        total, tokens = total + float(loss) * n, tokens + n
-    return math.exp(total / max(tokens, 1))
+        calib_texts, held_texts = corpus_texts("train"), corpus_texts("heldout")
+        calib_src, held_src = "the default corpus' train split", "the default corpus' held-out split"
+    calib = _windows(tokenizer, calib_texts, seq, args.calib_size, "--calib_size", calib_src)
+    if args.eval_size == 0:
+        return calib, None
+    return calib, _windows(tokenizer, held_texts, eval_seq, args.eval_size, "--eval_size", held_src)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -250,30 +247,36 @@ def _run(args: argparse.Namespace) -> int:
         ckpt = str(default_model_path(kind))
         logger.info("no --pyt_ckpt_path: the bundled default %s model %s", kind, ckpt)
     remote = args.trust_remote_code
+    model_config = AutoConfig.from_pretrained(ckpt, trust_remote_code=remote)
     seq = args.calib_seq
     if seq is None:
-        limit = getattr(
-            AutoConfig.from_pretrained(ckpt, trust_remote_code=remote), "max_position_embeddings", None
-        )
+        limit = getattr(model_config, "max_position_embeddings", None)
         seq = min(DEFAULT_CALIB_SEQ, limit) if isinstance(limit, int) and limit > 0 else DEFAULT_CALIB_SEQ
+    eval_seq = args.eval_seq or evaluation.default_window(model_config)
     tokenizer = AutoTokenizer.from_pretrained(ckpt, trust_remote_code=remote)
     if args.dataset is None:
         logger.info(
             "no --dataset: calibration on the default corpus' train split, perplexity on its held-out"
         )
-    calib, held_out = _samples(args, tokenizer, seq)
+    calib, held_out = _samples(args, tokenizer, seq, eval_seq)
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=args.dtype, trust_remote_code=remote).to(
         args.device
     )
     model.eval()
-    before = perplexity(model, held_out, args.batch_size, args.device) if args.eval_size else None
+    if held_out is not None:
+        logger.info("held-out evaluation: %s", evaluation.describe(held_out))
+        before = evaluation.perplexity(model, held_out, args.batch_size)
+        reference = evaluation.reference_within(model, held_out)
     batches = [calib[i : i + args.batch_size] for i in range(0, calib.shape[0], args.batch_size)]
     with torch.no_grad():
         mtq.quantize(model, config, batches, experts_implementation=args.experts_implementation)
     mtq.print_quant_summary(model)
-    after = perplexity(model, held_out, args.batch_size, args.device) if args.eval_size else None
-    if before is not None:
+    if held_out is not None:
+        after = evaluation.perplexity(model, held_out, args.batch_size)
         logger.info("held-out perplexity: %.3f before, %.3f after quantization", before, after)
+        if reference is not None:
+            kl = evaluation.kl_per_token(reference, model, held_out)
+            logger.info("held-out KL(unquantized || quantized): %.3e nats per predicted token", kl)
     if args.export_path:
         result = export_hf_checkpoint(model, args.export_path, tokenizer=tokenizer, overwrite=args.overwrite)
         logger.info("checkpoint: %s (%.2f MB)", result.export_dir, result.total_bytes / 1e6)

@@ -43,9 +43,14 @@ class QuantizationArguments:
     calib_batch_size: int = field(default=1, metadata={"help": "Batch size of the calibration passes."})
     calib_dataset: str | None = field(
         default=None,
-        metadata={"help": "Calibration data: a local .txt, .json or .jsonl file (records with a 'text' "
-                  "field), tokenized by the trainer's tokenizer; default: the first train samples."},
+        metadata={"help": "Calibration data: a local .txt / .md / .json / .jsonl / .csv / .parquet file, a "
+                  "directory written by datasets' save_to_disk or a cached dataset name "
+                  "(modelopt_lite.data), "
+                  "tokenized by the trainer's tokenizer; default: the first train samples."},
     )  # fmt: skip
+    calib_text_field: str = field(
+        default="text", metadata={"help": "The field of calib_dataset's records that holds the text."}
+    )
     calib_seq_len: int = field(default=512, metadata={"help": "Tokens per sample read from calib_dataset."})
     experts_implementation: str | None = field(
         default=None,
@@ -77,8 +82,12 @@ class QuantizationArguments:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
-        if self.calib_dataset is not None and not Path(self.calib_dataset).is_file():
-            raise ValueError(f"calib_dataset={self.calib_dataset!r} is not a file")
+        if (
+            self.calib_dataset is not None
+            and Path(self.calib_dataset).suffix
+            and not Path(self.calib_dataset).exists()
+        ):
+            raise ValueError(f"calib_dataset={self.calib_dataset!r}: no such file")
         if self.experts_implementation not in (None, *_EXPERTS):
             raise ValueError(f"experts_implementation={self.experts_implementation!r} (allowed: {_EXPERTS})")
         if self.gc_refreeze_every is not None and self.gc_refreeze_every < 1:

@@ -158,8 +158,9 @@ class QATTrainer(Trainer):
         if self.calib_dataset is not None:
             return self.calib_dataset
         if self.quant_args.calib_dataset is not None:
+            quant = self.quant_args
             return calibration_samples(
-                self.quant_args.calib_dataset, self.processing_class, self.quant_args.calib_seq_len
+                quant.calib_dataset, self.processing_class, quant.calib_seq_len, quant.calib_text_field
             )
         if self.train_dataset is None:
             raise ValueError(

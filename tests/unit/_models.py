@@ -86,3 +86,15 @@ BUILDERS = {"llama": tiny_llama, "qwen3": tiny_qwen3, "gpt2": tiny_gpt2}
 def batches(n: int = 2, batch: int = 2, seq: int = 16, seed: int = 1) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, VOCAB, (batch, seq), generator=g) for _ in range(n)]
+
+
+def word_tokenizer():
+    """A word-level tokenizer of the tiny models' vocabulary: ``w0`` ... ``w124``, ``<s>`` (bos, 125),
+    ``</s>`` (eos, 126), ``<pad>`` (127)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {f"w{i}": i for i in range(VOCAB - 3)} | {"<s>": VOCAB - 3, "</s>": VOCAB - 2, "<pad>": VOCAB - 1}
+    raw = Tokenizer(models.WordLevel(words, unk_token="w0"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>", pad_token="<pad>")

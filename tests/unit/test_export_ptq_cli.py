@@ -22,13 +22,15 @@ def checkpoint(tmp_path_factory):
     raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=raw, pad_token="w0").save_pretrained(root / "model")
     tiny_qwen3_moe().save_pretrained(root / "model")
-    (root / "data.txt").write_text(" ".join(f"w{(i * 7) % 128}" for i in range(16 * 6)))
+    words = [f"w{(i * 7) % 128}" for i in range(16 * 6)]  # 6 paragraphs (documents) of 16 words
+    (root / "data.txt").write_text("\n\n".join(" ".join(words[i : i + 16]) for i in range(0, 96, 16)))
     return root
 
 
 def _args(root, *extra):
     return ["--pyt_ckpt_path", str(root / "model"), "--dataset", str(root / "data.txt"), "--calib_seq", "16",
-            "--calib_size", "4", "--eval_size", "1", "--batch_size", "2", *extra]  # fmt: skip
+            "--eval_seq", "16", "--calib_size", "4", "--eval_size", "1", "--batch_size", "2",
+            *extra]  # fmt: skip
 
 
 def test_nvfp4_moe_eager_exports_every_expert_quantized(checkpoint, tmp_path, lib_caplog):
@@ -50,7 +52,7 @@ def test_bad_input(checkpoint, tmp_path, lib_caplog, capsys):
         main(_args(checkpoint, "--qformat", "int3"))
     assert "'nvfp4_awq'" in capsys.readouterr().err  # the error lists the choices
     assert main(_args(checkpoint, "--qformat", "fp8", "--calib_size", "400")) == 2
-    assert "dataset has 96 tokens (6 samples)" in lib_caplog.text
+    assert "the dataset has 80 tokens (5 samples)" in lib_caplog.text  # the last document is held out
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("")
     with pytest.raises(SystemExit):

@@ -7,10 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
-from ._models import tiny_llama
+from ._models import tiny_llama, word_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,12 +24,7 @@ def _main():
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("llm_qat")
-    words = {f"w{i}": i for i in range(125)} | {"<s>": 125, "</s>": 126, "<pad>": 127}
-    raw = Tokenizer(models.WordLevel(words, unk_token="w0"))
-    raw.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=raw, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
-    )
+    tokenizer = word_tokenizer()
     model = tiny_llama()
     model.save_pretrained(root / "model")
     tokenizer.save_pretrained(root / "model")

@@ -1,0 +1,109 @@
+"""``modelopt_lite.evaluation``: the one held-out protocol (perplexity over fixed windows, KL to a reference),
+and the three commands that report it (``hf_ptq.py``, ``examples/llm_qat/main.py``, the models / benchmarks
+path) printing the same baseline perplexity for the same model and split."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from modelopt_lite import evaluation
+from modelopt_lite.data import heldout_split, load_texts, token_stream, windows
+from modelopt_lite.export.ptq import main as ptq_main
+from modelopt_lite.models.trainer import heldout_perplexity
+
+from ._models import tiny_llama, word_tokenizer
+from .test_llm_qat_main import _main as llm_qat_main
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import accuracy
+
+
+def test_perplexity_is_the_mean_nll_of_every_token_after_a_windows_first():
+    model = tiny_llama()
+    ws = torch.randint(0, 128, (5, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logp = model(input_ids=ws).logits[:, :-1].log_softmax(-1)
+    nll = -logp.gather(-1, ws[:, 1:, None]).mean()
+    model.train()
+    for batch_size in (1, 2, 16):
+        assert evaluation.perplexity(model, ws, batch_size) == pytest.approx(math.exp(float(nll)), rel=1e-5)
+    assert model.training  # mode restored
+    assert evaluation.describe(ws) == (
+        "5 windows of 12 tokens (stride 12, tail dropped; documents as bos text eos; a window's first token "
+        "is context only: 55 predicted tokens)"
+    )
+    assert evaluation.default_window(model.config) == 64
+    model.config.max_position_embeddings = 4096
+    assert evaluation.default_window(model.config) == evaluation.MAX_WINDOW
+
+
+def test_kl_to_a_reference_per_predicted_token():
+    ref_model = tiny_llama()
+    model = copy.deepcopy(ref_model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    ws = torch.randint(0, 128, (3, 10), generator=torch.Generator().manual_seed(1))
+    ref = evaluation.reference_logprobs(ref_model, ws, batch_size=2)
+    assert evaluation.kl_per_token(ref, ref_model, ws, batch_size=2) == pytest.approx(0.0, abs=1e-6)
+    with torch.no_grad():
+        p = ref_model(input_ids=ws).logits[:, :-1].log_softmax(-1)
+        q = model(input_ids=ws).logits[:, :-1].log_softmax(-1)
+    expected = float((p.exp() * (p - q)).sum(-1).mean())
+    assert evaluation.kl_per_token(ref, model, ws, batch_size=2) == pytest.approx(expected, rel=1e-5)
+    assert evaluation.reference_within(ref_model, ws, max_bytes=3 * 9 * 128 * 4) is not None
+    assert evaluation.reference_within(ref_model, ws, max_bytes=3 * 9 * 128 * 4 - 1) is None
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    root = tmp_path_factory.mktemp("evaluation")
+    tiny_llama().save_pretrained(root / "model")
+    word_tokenizer().save_pretrained(root / "model")
+    docs = [" ".join(f"w{(s * 11 + 3 * i) % 120}" for i in range(30 + s % 17)) for s in range(60)]
+    (root / "data.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    return root
+
+
+def test_the_three_commands_print_the_same_baseline_perplexity(checkpoint, tmp_path, lib_caplog):
+    """Same model, same data, same held-out split (the last 10% of the documents): hf_ptq.py's "before",
+    main.py's ``ppl_baseline`` and the models / benchmarks functions agree, and state the same protocol."""
+    lib_caplog.set_level("INFO", logger="modelopt_lite")
+    model_dir, data = str(checkpoint / "model"), str(checkpoint / "data.jsonl")
+    ptq_args = ["--pyt_ckpt_path", model_dir, "--dataset", data, "--qformat", "fp8", "--calib_size", "2",
+                "--calib_seq", "16", "--batch_size", "2"]  # fmt: skip
+    assert ptq_main(ptq_args) == 0
+    ptq_ppl = float(re.search(r"held-out perplexity: ([\d.]+) before", lib_caplog.text).group(1))
+    ptq_protocol = re.search(r"held-out evaluation: (.*)", lib_caplog.text).group(1)
+
+    results = llm_qat_main().main(
+        ["--model_name_or_path", model_dir, "--dataset", data, "--seq_len", "16", "--output_dir",
+         str(tmp_path / "qat"), "--max_steps", "1", "--per_device_train_batch_size", "2", "--use_cpu", "true",
+         "--report_to", "none", "--calib_size", "2", "--save_strategy", "no", "--recipe", "FP8_DEFAULT_CFG"]
+    )  # fmt: skip
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    _, held = heldout_split(load_texts(data), 10)
+    stream = token_stream(tokenizer, held)
+    window = evaluation.default_window(model.config)
+    models_ppl = heldout_perplexity(model, stream, window)
+    bench_ppl = accuracy._ppl(model, windows(stream, window))
+
+    printed = {f"{x:.3f}" for x in (ptq_ppl, results["ppl_baseline"], models_ppl, bench_ppl)}
+    assert len(printed) == 1, (ptq_ppl, results["ppl_baseline"], models_ppl, bench_ppl)
+    assert results["ppl_baseline"] == pytest.approx(models_ppl, rel=1e-6)
+    assert bench_ppl == models_ppl
+    assert ptq_protocol == results["eval_protocol"] == evaluation.describe(windows(stream, window))
+    assert "held-out KL(unquantized || quantized)" in lib_caplog.text
+    assert results["kl_ptq"] > 0

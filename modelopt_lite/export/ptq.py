@@ -192,8 +192,8 @@ def _windows(
     count = ids.numel() // seq
     if count < (needed or 1):
         raise ValueError(
-            f"{what} = {needed or 1} samples of {seq} tokens, but {source} has {ids.numel()} tokens "
-            f"({count} samples); lower {what} / the sample length or add data"
+            f"{what} = {needed or 'all (at least one)'} samples of {seq} tokens, but {source} has "
+            f"{ids.numel()} tokens ({count} samples); lower {what} / the sample length or add data"
         )
     return windows(ids, seq, needed)
 

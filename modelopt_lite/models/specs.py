@@ -133,10 +133,25 @@ MOE = DefaultModelSpec(
     ),
     steps=600,
 )
-# the benchmark models: the default architectures trained on the fit split only, longer, to a lower lr
-_BENCH = dict(warmup_steps=50, min_lr_ratio=0.05, train_split="fit")
-BENCH_DENSE = dataclasses.replace(DENSE, name="llama-bench", steps=900, **_BENCH)
-BENCH_MOE = dataclasses.replace(MOE, name="qwen3-moe-bench", steps=1000, **_BENCH)
+# The benchmark models (issue 14): narrower than the default models (hidden 128), trained on the fit split
+# only, 1500 steps with the lr annealed to 0. On this corpus (234k fit tokens) that is the measured sweet
+# spot: a lower validation perplexity than the wider default architectures, an NVFP4 PTQ gap of 3-4% of
+# perplexity, and 200 more fine-tuning steps at lr 1e-4 change validation perplexity by about 0.5% (trained
+# longer they memorise the corpus: validation perplexity rises and the gap grows by overfitting).
+_BENCH = dict(steps=1500, warmup_steps=50, min_lr_ratio=0.0, train_split="fit")
+BENCH_DENSE = dataclasses.replace(
+    DENSE,
+    name="llama-bench",
+    model_config={**DENSE.model_config, "hidden_size": 128, "intermediate_size": 344},
+    **_BENCH,
+)
+BENCH_MOE = dataclasses.replace(
+    MOE,
+    name="qwen3-moe-bench",
+    model_config={**MOE.model_config, "hidden_size": 128, "intermediate_size": 344,
+                  "moe_intermediate_size": 96, "head_dim": 32},
+    **_BENCH,
+)  # fmt: skip
 SPECS: dict[str, DefaultModelSpec] = {
     "dense": DENSE,
     "moe": MOE,

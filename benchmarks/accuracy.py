@@ -130,6 +130,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=128, help="tokens per training sample")
     p.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (QAT, QAD and the control)")
+    p.add_argument(
+        "--qad-lr", type=float, default=None, help="peak learning rate of the QAD rows (default --lr)"
+    )
     p.add_argument("--temperature", type=float, default=1.0, help="QAD softmax temperature")
     p.add_argument("--amax-lr-multiplier", type=float, default=1.0, help="lr of learnable amax (+la rows)")
     p.add_argument("--seeds", default="0", help="comma-separated Trainer seeds (the first runs every row)")
@@ -177,8 +180,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag in ("threads", "steps", "batch_size", "seq_len", "calib_size"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be a positive integer")
-    for flag in ("lr", "temperature", "amax_lr_multiplier"):
-        if not getattr(args, flag) > 0:
+    for flag in ("lr", "temperature", "amax_lr_multiplier", "qad_lr"):
+        if getattr(args, flag) is not None and not getattr(args, flag) > 0:
             p.error(f"--{flag.replace('_', '-')} must be positive")
     if not args.seeds or any(b < 1 for b in args.budgets):
         p.error("--seeds needs at least one seed; --budgets must be positive")
@@ -251,14 +254,16 @@ def ptq_config(row: str) -> dict[str, Any]:
     return mtq.get_preset(presets[row])
 
 
-def _training_args(args: argparse.Namespace, output_dir: str, steps: int, seed: int) -> Any:
+def _training_args(
+    args: argparse.Namespace, output_dir: str, steps: int, seed: int, lr: float | None = None
+) -> Any:
     from transformers import TrainingArguments
 
     return TrainingArguments(
         output_dir=output_dir,
         max_steps=steps,
         per_device_train_batch_size=args.batch_size,
-        learning_rate=args.lr,
+        learning_rate=args.lr if lr is None else lr,
         lr_scheduler_type="cosine",
         warmup_steps=round(0.1 * steps),
         weight_decay=0.0,
@@ -299,7 +304,7 @@ def _train(
     with tempfile.TemporaryDirectory(prefix="accuracy-bench-") as out:
         common = dict(
             model=student,
-            args=_training_args(args, out, steps, seed),
+            args=_training_args(args, out, steps, seed, args.qad_lr if mode == "qad" else None),
             train_dataset=train_set,
             processing_class=tokenizer,
         )
@@ -569,7 +574,9 @@ def main(argv: list[str] | None = None) -> int:
 
     start = time.perf_counter()
     budget = (
-        f"{args.steps} steps x {args.batch_size} x {args.seq_len} tokens, lr {args.lr:g} (warm-up 10%, "
+        f"{args.steps} steps x {args.batch_size} x {args.seq_len} tokens, lr {args.lr:g}"
+        + (f" (QAD {args.qad_lr:g})" if args.qad_lr is not None else "")
+        + " (warm-up 10%, "
         f"cosine), AdamW, QAD T={args.temperature:g}, seeds {args.seeds}"
     )
     print(f"threads {args.threads}; every training row: {budget}" + (" [--quick]" if args.quick else ""))

@@ -3,7 +3,8 @@
 * :class:`MaxCalibrator` keeps the running max of ``|x|`` over the reduce axes of the quantizer's spec
   (a scalar per tensor, ``keepdim`` per channel, one value per static block).
 * :class:`HistogramCalibrator` keeps a histogram of ``|x|`` (per tensor) and picks the amax at a
-  percentile of it, or the one minimising the expected fake-quantization MSE over the histogram.
+  percentile of it, the one minimising the expected fake-quantization MSE over the histogram, or (INT
+  formats) the one minimising the KL divergence between the histogram and its quantized form ("entropy").
 * :class:`BiasCalibrator` computes an affine quantizer's bias (its ``bias`` attribute): the mean of ``x``
   over the bias axes (running mean of the per-batch means), or the midpoint of its running max and min.
 
@@ -122,14 +123,20 @@ class MaxCalibrator(Calibrator):
         self._amax = None
 
 
+_HISTOGRAM_METHODS = ("percentile", "mse", "entropy")
+
+
 class HistogramCalibrator(Calibrator):
-    """Histogram of ``|x|`` (per-tensor INT / FP8 specs) with a percentile or MSE amax choice."""
+    """Histogram of ``|x|`` (per-tensor INT / FP8 specs) with a percentile, MSE or entropy amax choice.
+
+    ``method`` is the default of :meth:`compute_amax`, which also takes one as the reference's does
+    (``compute_amax("entropy", stride=1, start_bin=128)``)."""
 
     def __init__(
         self,
         spec: FormatSpec | int | tuple[int, int] = 8,
         owner: Any = "TensorQuantizer",
-        method: Literal["percentile", "mse"] = "percentile",
+        method: Literal["percentile", "mse", "entropy"] = "percentile",
         percentile: float = 99.99,
         num_bins: int = 2048,
         *,
@@ -143,10 +150,8 @@ class HistogramCalibrator(Calibrator):
                 f"{owner}: calibrator '{method}' supports per-tensor INT / FP8 quantizers only, "
                 f"not {spec.name} {spec.granularity}; use calibrator='max'"
             )
-        if method not in ("percentile", "mse"):
-            raise ValueError(f"{owner}: calibration method {method!r} (allowed: 'percentile', 'mse')")
-        if not 0.0 < percentile <= 100.0:
-            raise ValueError(f"{owner}: percentile={percentile} must be in (0, 100]")
+        self._check_method(method)
+        self._check_percentile(percentile)
         if num_bins < 16:
             raise ValueError(f"{owner}: num_bins={num_bins} must be at least 16")
         self.method = method
@@ -179,15 +184,74 @@ class HistogramCalibrator(Calibrator):
         hist.index_add_(0, idx, self._hist)
         self._hist, self._range = hist, new_range
 
-    def compute_amax(self) -> torch.Tensor | None:
+    def _check_method(self, method: str) -> None:
+        if method not in _HISTOGRAM_METHODS:
+            raise ValueError(f"{self.owner}: calibration method {method!r} (allowed: {_HISTOGRAM_METHODS})")
+        if method == "entropy" and self.spec.kind != "int":
+            raise ValueError(f"{self.owner}: the entropy method needs an INT format, not {self.spec.name}")
+
+    def _check_percentile(self, percentile: float) -> None:
+        if not 0.0 < percentile <= 100.0:
+            raise ValueError(f"{self.owner}: percentile={percentile} must be in (0, 100]")
+
+    def compute_amax(
+        self,
+        method: Literal["percentile", "mse", "entropy"] | None = None,
+        *,
+        stride: int = 1,
+        start_bin: int = 128,
+        percentile: float | None = None,
+    ) -> torch.Tensor | None:
+        """The amax by ``method`` (default: the constructor's); ``stride`` and ``start_bin`` are the
+        entropy search's (the reference's defaults), ``percentile`` replaces the constructor's."""
+        method = self.method if method is None else method
+        self._check_method(method)
         if self._hist is None:
             return None
         edges = torch.linspace(0.0, self._range, self.num_bins + 1, dtype=torch.float64)
-        if self.method == "percentile":
+        if method == "percentile":
+            percentile = self.percentile if percentile is None else percentile
+            self._check_percentile(percentile)
             cdf = torch.cumsum(self._hist, 0) / self._hist.sum()
-            idx = int(torch.searchsorted(cdf, torch.tensor(self.percentile / 100.0, dtype=cdf.dtype)))
+            idx = int(torch.searchsorted(cdf, torch.tensor(percentile / 100.0, dtype=cdf.dtype)))
             return edges[min(idx + 1, self.num_bins)].float()
+        if method == "entropy":
+            return self._entropy_amax(edges, stride, start_bin)
         return self._mse_amax(edges)
+
+    def _entropy_amax(self, edges: torch.Tensor, stride: int, start_bin: int) -> torch.Tensor:
+        """The reference's KL search: for each candidate of ``i`` bins (``start_bin`` to all, by ``stride``),
+        the reference distribution is the first ``i`` bins with the clipped tail added to the last, and the
+        candidate spreads each of the ``2**(num_bits - 1)`` (unsigned: ``2**num_bits``) quantization
+        levels' count evenly over its non-empty bins; the amax is the upper edge of the last candidate with
+        the smallest KL divergence. The first bin (mostly exact zeros) counts as the second. Candidates whose
+        bins hold no data are never chosen (the reference picks one when the first ``start_bin`` bins are
+        empty)."""
+        if stride < 1 or not 1 <= start_bin <= self.num_bins:
+            raise ValueError(
+                f"{self.owner}: entropy search needs stride >= 1 and 1 <= start_bin <= num_bins "
+                f"({self.num_bins}); got stride={stride}, start_bin={start_bin}"
+            )
+        hist = self._hist.clone()
+        hist[0] = hist[1]
+        levels = 1 << (self.spec.num_bits - 1 + int(self.spec.unsigned))
+        tail = hist.flip(0).cumsum(0).flip(0)  # tail[i] = sum(hist[i:])
+        best, best_kl = start_bin, float("inf")
+        for i in range(start_bin, self.num_bins + 1, stride):
+            p = hist[:i].clone()
+            if i < self.num_bins:
+                p[-1] += tail[i]
+            bounds = torch.arange(levels + 1, dtype=torch.float64) * (i / levels)  # numpy.linspace(0, i)
+            bounds[-1] = i
+            level = torch.bucketize(torch.arange(i, dtype=torch.float64), bounds, right=True) - 1
+            used = hist[:i] != 0
+            total = torch.zeros(levels, dtype=torch.float64).index_add_(0, level, hist[:i])
+            count = torch.zeros(levels, dtype=torch.float64).index_add_(0, level, used.double())
+            q = torch.where(used, total[level] / count[level].clamp(min=1), 0.0)
+            kl = _kl_divergence(p, q)
+            if kl <= best_kl:  # the last of equal minima, as the reference
+                best, best_kl = i, kl
+        return edges[best].float()
 
     def _mse_amax(self, edges: torch.Tensor) -> torch.Tensor:
         centres = ((edges[:-1] + edges[1:]) / 2).float()
@@ -203,6 +267,18 @@ class HistogramCalibrator(Calibrator):
     def reset(self) -> None:
         super().reset()
         self._hist, self._range = None, 0.0
+
+
+def _kl_divergence(p: torch.Tensor, q: torch.Tensor) -> float:
+    """``sum(p log(p / q))`` of the normalized counts; ``inf`` where ``q`` is 0 and ``p`` is not, or where
+    ``q`` holds no count at all (the reference's NaN there wins its argmin: a candidate keeping no data)."""
+    if not bool(q.sum() > 0):
+        return float("inf")
+    p, q = p / p.sum(), q / q.sum()
+    nz = p > 0
+    if bool((q[nz] == 0).any()):
+        return float("inf")
+    return float((p[nz] * torch.log(p[nz] / q[nz])).sum())
 
 
 _BIAS_KEYS = ("type", "method")
@@ -284,12 +360,12 @@ class BiasCalibrator:
 
 
 def make_calibrator(name: str, spec: FormatSpec, owner: str, **options) -> Calibrator:
-    """``"max"``, ``"percentile"`` or ``"mse"``."""
+    """``"max"``, ``"percentile"``, ``"mse"`` or ``"entropy"``."""
     if name == "max":
         return MaxCalibrator(spec, owner)
-    if name in ("percentile", "mse"):
+    if name in _HISTOGRAM_METHODS:
         return HistogramCalibrator(spec, owner, method=name, **options)
-    raise ValueError(f"{owner}: calibrator={name!r} (allowed: 'max', 'percentile', 'mse')")
+    raise ValueError(f"{owner}: calibrator={name!r} (allowed: {('max', *_HISTOGRAM_METHODS)})")
 
 
 def sync_calibrators(calibrators: dict[str, Calibrator]) -> None:

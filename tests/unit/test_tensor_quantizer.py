@@ -130,7 +130,7 @@ def test_attribute_assignment_revalidates_and_drops_stale_amax():
         ({"num_bits": 8, "axis": 0, "block_sizes": {-1: 16}}, "exclusive"),
         ({"num_bits": 8, "axis": "rows"}, r"axis='rows'"),
         ({"backward": "straight"}, r"backward='straight'.*allowed"),
-        ({"calibrator": "entropy"}, r"calibrator='entropy'.*allowed"),
+        ({"calibrator": "kl"}, r"calibrator='kl'.*allowed"),
         ({"enable": "yes"}, r"enable='yes' must be True or False"),
         ({"nbits": 8}, r"unknown quantizer attribute\(s\) \['nbits'\]"),
     ],

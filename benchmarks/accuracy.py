@@ -34,10 +34,11 @@ Rows. PTQ (fake quant, calibrated on the same windows):
 
 Training (each from a copy of its PTQ row, so the trainer skips calibration and recovery compares against
 exactly that row): ``qat X`` = ``QATTrainer`` (cross-entropy), ``qad X`` = ``QADTrainer`` with the
-unquantized model as the frozen teacher (KL at ``--temperature``, no CE); ``+la`` rows make every static
-amax learnable (``learn_amax``, lr x ``--amax-lr-multiplier``); ``ft`` = the unquantized model fine-tuned
-with a plain ``Trainer`` and the same budget and lr (the control of QAT). Budget: ``--steps`` optimizer steps
-of ``--batch-size`` x ``--seq-len`` tokens, AdamW (weight decay 0), peak ``--lr``, linear warm-up over 10%,
+unquantized model as the frozen teacher (KL at ``--temperature``, plus ``--ce-weight`` x CE, 0 by default);
+``+la`` rows make every static amax learnable (``learn_amax``, lr x ``--amax-lr-multiplier``); ``ft`` = the
+unquantized model fine-tuned with a plain ``Trainer`` and the same budget and lr (the control of QAT).
+Budget: ``--steps`` optimizer steps of ``--batch-size`` x ``--seq-len`` tokens, AdamW (weight decay 0),
+peak ``--lr`` (QAD rows: ``--qad-lr``), linear warm-up over 10%,
 cosine to 0, gradient clipping 1.0. Seeds (``--seeds``) set the data order and the Trainer's initialisation:
 the first seed runs every training row, the others only the ``--seeded-rows``. ``--budgets`` adds
 ``qat nvfp4`` / ``qad nvfp4`` / ``ft`` at each step count (first seed only): is recovery still rising?
@@ -134,6 +135,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--qad-lr", type=float, default=None, help="peak learning rate of the QAD rows (default --lr)"
     )
     p.add_argument("--temperature", type=float, default=1.0, help="QAD softmax temperature")
+    p.add_argument("--ce-weight", type=float, default=0.0, help="QAD cross-entropy weight (KL weight 1)")
     p.add_argument("--amax-lr-multiplier", type=float, default=1.0, help="lr of learnable amax (+la rows)")
     p.add_argument("--seeds", default="0", help="comma-separated Trainer seeds (the first runs every row)")
     p.add_argument(
@@ -183,6 +185,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag in ("lr", "temperature", "amax_lr_multiplier", "qad_lr"):
         if getattr(args, flag) is not None and not getattr(args, flag) > 0:
             p.error(f"--{flag.replace('_', '-')} must be positive")
+    if args.ce_weight < 0:
+        p.error("--ce-weight must be >= 0")
     if not args.seeds or any(b < 1 for b in args.budgets):
         p.error("--seeds needs at least one seed; --budgets must be positive")
     return args
@@ -316,7 +320,7 @@ def _train(
             trainer = QATTrainer(**common, quant_args=quant)
         else:
             distill = DistillationArguments(
-                temperature=args.temperature, kd_loss_weight=1.0, ce_loss_weight=0.0
+                temperature=args.temperature, kd_loss_weight=1.0, ce_loss_weight=args.ce_weight
             )
             trainer = QADTrainer(**common, quant_args=quant, distill_args=distill, teacher_model=teacher)
         return run_training(trainer)
@@ -577,7 +581,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.steps} steps x {args.batch_size} x {args.seq_len} tokens, lr {args.lr:g}"
         + (f" (QAD {args.qad_lr:g})" if args.qad_lr is not None else "")
         + " (warm-up 10%, "
-        f"cosine), AdamW, QAD T={args.temperature:g}, seeds {args.seeds}"
+        f"cosine), AdamW, QAD T={args.temperature:g}"
+        + (f" CE weight {args.ce_weight:g}" if args.ce_weight else "")
+        + f", seeds {args.seeds}"
     )
     print(f"threads {args.threads}; every training row: {budget}" + (" [--quick]" if args.quick else ""))
     if args.merge:

@@ -6,6 +6,7 @@ import logging
 
 import pytest
 import torch
+from transformers import Gemma2Config, Gemma2ForCausalLM, GptOssConfig, GptOssForCausalLM
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import modelopt_lite.quantization as mtq
@@ -113,3 +114,28 @@ def test_nvfp4_fp8_mha_config_enables_the_softmax_quantizer(tmp_path, lib_caplog
     with lib_caplog.at_level(logging.WARNING):
         export_hf_checkpoint(model, export_dir=tmp_path)
     assert "p_bmm_quantizer is fake quant only" in lib_caplog.text
+
+
+SMALL = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+SMALL |= {"head_dim": 16, "vocab_size": 128, "sliding_window": 8, "attn_implementation": "eager"}
+
+
+def _gemma2():  # logit softcapping and a sliding window in its eager attention
+    return Gemma2ForCausalLM(Gemma2Config(**SMALL, intermediate_size=128, attn_logit_softcapping=2.0))
+
+
+def _gpt_oss():  # attention sinks (an extra softmax column per head) in its eager attention
+    cfg = GptOssConfig(**SMALL, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2)
+    return GptOssForCausalLM(cfg)
+
+
+@pytest.mark.parametrize("build", [_gemma2, _gpt_oss])
+def test_the_models_own_eager_attention_runs_with_the_quantizer(build):
+    torch.manual_seed(0)
+    model = build().eval()
+    ids = batches()[0]
+    expected = model(ids).logits
+    mtq.quantize(model, P_FP8, batches())
+    out = model(ids).logits
+    assert not torch.equal(out, expected)
+    assert (out - expected).abs().max() < 0.05  # sinks kept (another eager function fails here)

@@ -377,8 +377,9 @@ def sync_calibrators(calibrators: dict[str, Calibrator]) -> None:
     histogram = [n for n, c in calibrators.items() if not isinstance(c, MaxCalibrator)]
     if histogram:
         raise NotImplementedError(
-            f"{len(histogram)} quantizer(s) use a histogram calibrator (percentile / mse), which is not "
-            f"merged across ranks (e.g. {histogram[0]}); calibrate in a single process or use max calibration"
+            f"{len(histogram)} quantizer(s) use a histogram calibrator (percentile / mse / entropy), which "
+            f"is not merged across ranks (e.g. {histogram[0]}); calibrate in a single process or use max "
+            "calibration"
         )
     reduced = all_reduce_max({n: c._amax for n, c in calibrators.items()})
     counts = torch.tensor([c.num_batches for c in calibrators.values()], dtype=torch.int64)

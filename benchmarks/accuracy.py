@@ -467,6 +467,28 @@ def measure(kind: str, args: argparse.Namespace) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------- output
 
 
+def merge_runs(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The models of several ``--json`` runs; runs of the same model are combined (e.g. more seeds at another
+    ``--steps``): a later run adds its trained rows, and its unquantized / PTQ rows must equal the first's."""
+    by_kind: dict[str, dict[str, Any]] = {}
+    for run in runs:
+        for model in run["models"]:
+            base = by_kind.setdefault(model["kind"], model)
+            if base is model:
+                continue
+            known = {(r["name"], r.get("seed"), r.get("steps")): r for r in base["rows"]}
+            for row in model["rows"]:
+                first = known.get((row["name"], row.get("seed"), row.get("steps")))
+                if first is None:
+                    base["rows"].append(row)
+                elif row["method"] in ("baseline", "ptq") and first["test_ppl"] != row["test_ppl"]:
+                    raise SystemExit(
+                        f"--merge: {model['kind']} {row['name']} differs between runs "
+                        f"({first['test_ppl']} vs {row['test_ppl']}): not the same model or data"
+                    )
+    return list(by_kind.values())
+
+
 def summarize(result: dict[str, Any]) -> list[dict[str, Any]]:
     """One line per (row, steps): means over seeds, with the min and max of the recovery."""
     groups: dict[tuple[str, Any], list[dict[str, Any]]] = {}
@@ -588,12 +610,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"threads {args.threads}; every training row: {budget}" + (" [--quick]" if args.quick else ""))
     if args.merge:
         runs = [json.loads(Path(f).read_text()) for f in args.merge]
-        results = [m for run in runs for m in run["models"]]
-        steps = {run["meta"].get("steps", args.steps) for run in runs}
-        if len(steps) != 1:
-            raise SystemExit(f"--merge: the runs used different --steps {sorted(steps)}")
-        args.steps = steps.pop()
-        budget = " | ".join(sorted({run["meta"]["budget"] for run in runs}))
+        results = merge_runs(runs)
+        args.steps = runs[0]["meta"].get("steps", args.steps)  # the table shows the first run's budget
+        budget = " | ".join(dict.fromkeys(run["meta"]["budget"] for run in runs))
     else:
         results = [measure(kind, args) for kind in args.models]
     for res in results:

@@ -69,3 +69,27 @@ def test_recovery_against_own_ptq_row() -> None:
     assert rows[4]["kl_recovery"] == pytest.approx(0.6)
     assert rows[7]["test_recovery"] == pytest.approx(1 / 4)  # (102 - 101) / (102 - 98)
     assert "test_recovery" not in rows[8]
+
+
+def _acc_row(name: str, method: str, test_ppl: float, seed=None, steps=None, rec=None) -> dict:
+    return {"name": name, "method": method, "val_ppl": test_ppl, "test_ppl": test_ppl, "kl": 0.0,
+            "seed": seed, "steps": steps, "test_recovery": rec, "val_recovery": rec}  # fmt: skip
+
+
+def test_accuracy_merge_combines_runs_of_one_model() -> None:
+    """``accuracy.py --merge`` adds a later run's seeds of the same model (e.g. a longer budget) to the
+    first run's rows, so the summary averages all of them; the shared PTQ rows must agree."""
+    base = [_acc_row("unquantized", "baseline", 10.0), _acc_row("ptq nvfp4", "ptq", 11.0)]
+    first = {"kind": "m", "rows": [*base, _acc_row("qad nvfp4", "qad", 10.2, 0, 800, 0.8)]}
+    later = {"kind": "m", "rows": [*base, *(_acc_row("qad nvfp4", "qad", 10.1, s, 800, 0.9) for s in (1, 2))]}
+    other = {"kind": "other", "rows": list(base)}
+    merged = accuracy.merge_runs([{"models": [first, other]}, {"models": [later]}])
+    assert [m["kind"] for m in merged] == ["m", "other"]
+    line = next(s for s in accuracy.summarize(merged[0]) if s["name"] == "qad nvfp4")
+    assert (line["seeds"], line["steps"]) == (3, 800)
+    assert line["test_recovery"] == pytest.approx((0.8 + 0.9 + 0.9) / 3)
+    assert line["test_recovery_range"] == [0.8, 0.9]
+    assert sum(r["name"] == "ptq nvfp4" for r in merged[0]["rows"]) == 1
+    changed = {"kind": "m", "rows": [_acc_row("ptq nvfp4", "ptq", 11.5)]}
+    with pytest.raises(SystemExit, match="differs between runs"):
+        accuracy.merge_runs([{"models": [dict(first, rows=list(first["rows"]))]}, {"models": [changed]}])

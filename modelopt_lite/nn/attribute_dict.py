@@ -15,7 +15,7 @@ from dataclasses import fields
 from typing import Any
 
 from .errors import UnsupportedFeatureError
-from .tensor_quantizer import QuantizerAttributes
+from .quantizer_attributes import QuantizerAttributes
 
 __all__ = ["ALLOWED_ATTRIBUTE_KEYS", "UnsupportedFeatureError", "quantizer_attributes"]
 

@@ -11,7 +11,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from .tensor_quantizer import QuantizerAttributes, TensorQuantizer
+from .quantizer_attributes import QuantizerAttributes
+from .tensor_quantizer import TensorQuantizer
 
 __all__ = ["SequentialQuantizer"]
 

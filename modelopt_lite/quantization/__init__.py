@@ -13,6 +13,7 @@ from ..nn import QUANT_MODULES, QuantModule, SequentialQuantizer, TensorQuantize
 
 # algorithms register at definition time; calib, nn and tensor_quant are the reference's mtq.* modules
 from . import awq, calib, config_models, gptq, local_hessian, mse, nn, smoothquant, svdquant, tensor_quant  # noqa: F401
+from .auto_quantize import auto_quantize, get_auto_quantize_config
 from .calibrate import calibrate, check_calibrated, register_algorithm, run_forward_loop
 from .compat import (
     compute_quantization_mse,
@@ -47,9 +48,7 @@ from .presets import EXTRA_PRESETS, KV_PRESETS, PRESETS, get_preset, preset_name
 from .recipes import Recipe, list_recipes, load_recipe
 from .rotation import rotate_residual
 from .unsupported import (
-    auto_quantize,
     compress,
-    get_auto_quantize_config,
     register_attention_for_kv_quant,
     register_quant_backend,
 )

@@ -1,7 +1,7 @@
-"""What NVIDIA Model-Optimizer's ``mtq`` has and this library deliberately does not (``auto_quantize``,
-``compress``, custom quantization backends, attention classes rewritten from their source): each exists under
-its name and raises :class:`~.config.UnsupportedFeatureError` (a ``NotImplementedError``) naming what to use
-instead, so a migrated script learns it at the first call."""
+"""What NVIDIA Model-Optimizer's ``mtq`` has and this library deliberately does not (``compress``, custom
+quantization backends, attention classes rewritten from their source): each exists under its name and raises
+:class:`~.config.UnsupportedFeatureError` (a ``NotImplementedError``) naming what to use instead, so a
+migrated script learns it at the first call."""
 
 from __future__ import annotations
 
@@ -15,48 +15,12 @@ from ..nn import QUANT_MODULES
 from ..nn.errors import UnsupportedFeatureError
 
 __all__ = [
-    "auto_quantize",
     "compress",
-    "get_auto_quantize_config",
     "is_registered_quant_backend",
     "register_attention_for_kv_quant",
     "register_quant_backend",
     "unregister_quant_backend",
 ]
-
-
-def auto_quantize(
-    model: nn.Module,
-    constraints: dict[str, Any] | None = None,
-    quantization_formats: list[dict[str, Any] | str] | None = None,
-    data_loader: Any = None,
-    forward_step: Any = None,
-    loss_func: Any = None,
-    forward_backward_step: Any = None,
-    disabled_layers: list[str] | str | None = None,
-    num_calib_steps: int = 512,
-    num_score_steps: int = 128,
-    verbose: bool = False,
-    method: str = "gradient",
-    checkpoint: str | None = None,
-    module_search_spaces: list[dict[str, Any]] | None = None,
-    fixed_quantization_config: dict[str, Any] | str | None = None,
-) -> Any:
-    """The reference's per-layer format search under an effective-bits constraint: not implemented."""
-    raise UnsupportedFeatureError(
-        "mtq.auto_quantize (a per-layer search over formats under an effective-bits constraint) is not "
-        "implemented; quantize with one preset, mtq.quantize(model, mtq.NVFP4_DEFAULT_CFG, forward_loop), "
-        "and keep sensitive layers in high precision with rules such as "
-        "{'quantizer_name': '*layers.0.*', 'enable': False} appended to its quant_cfg"
-    )
-
-
-def get_auto_quantize_config(search_state: Any, constraints: Any = None, verbose: bool = False) -> Any:
-    """The config an ``auto_quantize`` search chose: not implemented (there is no search)."""
-    raise UnsupportedFeatureError(
-        "mtq.get_auto_quantize_config: mtq.auto_quantize is not implemented, so there is no search state; "
-        "write the config as a preset plus rules"
-    )
 
 
 def compress(model: nn.Module, config: Any = None) -> nn.Module:

@@ -1,0 +1,776 @@
+"""``mtq.auto_quantize``: a format per layer group, chosen on data under an effective-bits budget.
+
+The search follows the reference library's (``modelopt.torch.quantization.auto_quantize``):
+
+1. **Groups.** Every quantized module with weights is a unit (a fused-experts module gives one unit per
+   projection, over all its experts). Units that engines fuse share one format: ``q_proj`` / ``k_proj`` /
+   ``v_proj`` of a layer, ``gate_proj`` / ``up_proj``, and the per-expert linears of one MoE block. Units
+   matching ``disabled_layers`` stay unquantized and still count (at 16 bits) in the budget.
+2. **Calibration.** For each candidate format, every unit gets that format's quantizers (its rules resolved
+   on the unit's own quantizer names, as the reference does, so model-level patterns such as ``*lm_head*``
+   do not apply) and the model is calibrated with the format's algorithm, as :func:`~.model_quant.quantize`
+   would. The calibrated quantizers of each format are kept aside; switching a unit between formats swaps
+   its quantizer objects in place (no copy of the model, of its weights, per format).
+3. **Scores**, per group and format, with every other group unquantized:
+
+   * ``"gradient"``: the second-order (Fisher) estimate of the loss change, summed over the score batches
+     and the group's outputs: ``sum((dL/dY * (Y_q - Y))**2)``, ``Y`` the output of the module where the
+     group is measured (the layer itself; for a fused-experts projection, the experts module);
+   * ``"kl_div"``: ``KL(p || p_q)`` summed over the tokens of the score batches, ``p`` the model's output
+     distribution unquantized, ``p_q`` with only this group quantized.
+
+   As in the reference, a wider format's score is capped by the narrower one's and "unquantized" scores 0.
+4. **Solver.** The assignment minimising the summed score with ``sum(numel * bits) / sum(numel)`` at most
+   the budget, a multiple-choice knapsack solved exactly by dynamic programming over integer costs
+   (:func:`solve_assignment`). Bits per format are counted as the reference counts them: the format's
+   ``effective_bits`` (NVFP4: 4.5), else ``num_bits`` (FP8 E4M3: 8, INT4: 4); unquantized is 16. The KV
+   cache is not searched and not counted (quantize it afterwards, as the reference's ``hf_ptq`` does).
+
+The result is an ordinary quantized model (its config is the one :func:`get_auto_quantize_config` returns;
+``mto.save`` / ``restore`` and export treat it like any other), and a JSON-serialisable search state.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import itertools
+import math
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..distributed import is_distributed
+from ..logging import get_logger
+from ..moe import QuantExperts
+from ..nn import QuantModule, SequentialQuantizer, TensorQuantizer, iter_quantizers
+from ..nn.errors import UnsupportedFeatureError
+from . import model_quant
+from .calibrate import calibrate
+from .config import QuantizeConfig, QuantRule
+from .insertion import (
+    Provenance,
+    _replace,
+    insert_quantizers,
+    match_name,
+    remove_quantizers,
+    snapshot_implementations,
+)
+from .presets import EXTRA_PRESETS, PRESETS, preset_names
+
+__all__ = ["auto_quantize", "get_auto_quantize_config", "solve_assignment"]
+
+logger = get_logger(__name__)
+
+METHODS = ("gradient", "kl_div")
+NONE = "NONE"  # the name of "keep unquantized"
+#: Algorithms that only set quantizer state (the weights stay as they are, so every candidate calibrates on
+#: the same model). AWQ, SmoothQuant, GPTQ and SVDQuant change the weights.
+SEARCHABLE_ALGORITHMS = ("max", "mse", "local_hessian")
+#: Module-name rules whose first group is the key of units that must share a format (the reference's).
+GROUPING_RULES = (
+    r"^(.*?)\.(q_proj|k_proj|v_proj)$",
+    r"^(.*?\.mlp\.experts)\.\d+\.(gate_proj|up_proj|down_proj)$",
+    r"^(.*?)\.(gate_proj|up_proj)$",
+    r"^(.*?)\.(\d+\.(w1|w2|w3))$",
+)
+_MAX_CAPACITY = 1 << 18  # integer cost steps of the dynamic program (beyond: costs rounded up)
+
+
+@dataclass
+class _Format:
+    name: str
+    config: QuantizeConfig | None  # None: unquantized
+    bits: float
+
+
+@dataclass
+class _Unit:
+    """One searchable piece: a quantized layer, or one projection of a fused-experts module."""
+
+    name: str
+    module_name: str
+    module: QuantModule
+    score_module: nn.Module  # where its output perturbation is measured
+    slots: tuple[str, ...]  # its quantizer paths relative to ``module``
+    numel: int
+
+
+@dataclass
+class _Group:
+    name: str
+    units: list[_Unit]
+    formats: list[_Format]  # by increasing bits; unquantized last
+    disabled: bool
+
+    @property
+    def numel(self) -> int:
+        return sum(u.numel for u in self.units)
+
+
+# ------------------------------------------------------------------------------------------------ formats
+def _format_name(fmt: Any, index: int) -> str:
+    if isinstance(fmt, (str, Path)):
+        return str(fmt)
+    named = {**PRESETS, **EXTRA_PRESETS}
+    cfg = model_quant.resolve_config(fmt)
+    for name, preset in named.items():
+        if QuantizeConfig.from_dict(preset).same_as(cfg):
+            return name
+    return f"CUSTOM_{index}"
+
+
+def format_bits(config: QuantizeConfig) -> float:
+    """Bits per weight element of a format, counted as the reference does: the smallest over its enabled
+    rules of ``effective_bits``, else ``num_bits`` (``E + M + 1`` for a float format); 16 when it
+    quantizes nothing."""
+    bits = [16.0]
+    for rule in config.quant_cfg:
+        if rule.enable is False or rule.cfg is None:
+            continue
+        raw = rule.cfg if isinstance(rule.cfg, tuple) else (rule.cfg,)
+        for cfg, attrs in zip(raw, rule.attributes() or (), strict=True):
+            if "effective_bits" in cfg:
+                bits.append(float(cfg["effective_bits"]))
+            elif isinstance(attrs.num_bits, tuple):
+                bits.append(float(sum(attrs.num_bits) + 1))
+            else:
+                bits.append(float(attrs.num_bits))
+    return min(bits)
+
+
+def _resolve_formats(quantization_formats: Any) -> list[_Format]:
+    if not isinstance(quantization_formats, list) or not quantization_formats:
+        raise TypeError(
+            "quantization_formats must be a non-empty list of preset names (e.g. ['NVFP4_DEFAULT_CFG', "
+            f"'FP8_DEFAULT_CFG']), recipe names or config dicts, None meaning unquantized; presets: "
+            f"{preset_names()}"
+        )
+    formats: dict[str, _Format] = {}
+    for i, fmt in enumerate(quantization_formats):
+        if fmt is None:
+            continue
+        config = model_quant.resolve_config(fmt)  # unknown names raise, listing presets and recipes
+        bad = [name for name, _ in config.algorithm_steps if name not in SEARCHABLE_ALGORITHMS]
+        name = _format_name(fmt, i)
+        if bad:
+            raise ValueError(
+                f"quantization format {name} calibrates with {'+'.join(bad)}, which changes the weights; "
+                f"auto_quantize calibrates every candidate on the same weights: use a format calibrated with "
+                f"{' / '.join(SEARCHABLE_ALGORITHMS)} (e.g. NVFP4_DEFAULT_CFG for NVFP4_AWQ_LITE_CFG), then "
+                "quantize the chosen assignment with mtq.get_auto_quantize_config(state) and set its "
+                "'algorithm'"
+            )
+        formats[name] = _Format(name, config, format_bits(config))
+    if not formats:
+        raise ValueError("quantization_formats holds only None: give at least one format to search")
+    return [*sorted(formats.values(), key=lambda f: f.bits), _Format(NONE, None, 16.0)]
+
+
+# ------------------------------------------------------------------------------------------------ groups
+def _units(model: nn.Module) -> list[_Unit]:
+    units = []
+    for name, module in model.named_modules():
+        if not isinstance(module, QuantModule):
+            continue
+        numel = {id(q): w.numel() for q, w in module.weight_quantizer_pairs()}
+        if not numel:
+            continue  # attention (KV-cache quantizers) and other weightless wrappers are not searched
+        own = [rel for rel, _ in iter_quantizers(module) if "." not in match_name(rel)]
+        if isinstance(module, QuantExperts):
+            parts = [
+                (f"{name}.{p}", tuple(s for s in own if s.startswith(f"{p}_"))) for p in module._projections
+            ]
+        else:
+            parts = [(name, tuple(own))]
+        for unit_name, slots in parts:
+            size = sum(numel.get(id(module.get_submodule(s)), 0) for s in slots)
+            units.append(_Unit(unit_name, name, module, module, slots, size))
+    return units
+
+
+def _group_key(name: str) -> str:
+    for rule in GROUPING_RULES:
+        if m := re.match(rule, name):
+            return m.group(1)
+    return name
+
+
+def _is_disabled(unit: _Unit, patterns: Sequence[str]) -> bool:
+    """A ``disabled_layers`` pattern matches the unit's module name (as in the reference) or one of its
+    quantizer names (so the preset patterns ``*mlp.gate.*`` / ``*lm_head*`` work too)."""
+    names = [unit.name, unit.module_name, *(f"{unit.module_name}.{s}" for s in unit.slots)]
+    return any(fnmatch.fnmatchcase(n, p) for n in names for p in patterns)
+
+
+def _groups(units: list[_Unit], formats: list[_Format], disabled_layers: Sequence[str]) -> list[_Group]:
+    by_key: dict[str, list[_Unit]] = {}
+    for unit in units:
+        by_key.setdefault(_group_key(unit.name), []).append(unit)
+    groups = []
+    for members in by_key.values():
+        disabled = any(_is_disabled(u, disabled_layers) for u in members)
+        groups.append(
+            _Group(
+                f"{members[0].name}.quant_recipe", members, formats[-1:] if disabled else formats, disabled
+            )
+        )
+    return groups
+
+
+# ------------------------------------------------------------------------------ quantizers per format
+def _entries(unit: _Unit, fmt: _Format) -> list[dict[str, Any]]:
+    """The config entries that give ``unit``'s quantizers ``fmt`` (none for unquantized): the format's
+    rules resolved, in order, on each quantizer's own name (``weight_quantizer``, ...); output quantizers off
+    as in the reference."""
+    if fmt.config is None:
+        return []
+    rules = [r for _, r in fmt.config.ordered_rules()] + [QuantRule("*output_quantizer", enable=False)]
+    owner = getattr(unit.module, "original_cls", type(unit.module))
+    classes = {c.__name__ for c in owner.__mro__}
+    out = []
+    for slot in dict.fromkeys(match_name(s) for s in unit.slots):
+        cfg, enable = None, False
+        for rule in rules:
+            if rule.parent_class is not None and rule.parent_class.removeprefix("nn.") not in classes:
+                continue
+            if rule.is_fallback or fnmatch.fnmatchcase(slot, rule.quantizer_name):
+                if rule.cfg is not None:
+                    cfg, enable = rule.to_dict()["cfg"], rule.enable is not False
+                else:
+                    enable = bool(rule.enable)
+        if enable:
+            entry = {"quantizer_name": f"{unit.module_name}.{slot}", "enable": True}
+            out.append(entry if cfg is None else {**entry, "cfg": cfg})
+    return out
+
+
+def _make_quantizers(unit: _Unit, entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """Fresh quantizers for ``unit``'s slots configured by ``entries`` (the others disabled)."""
+    rules = {e["quantizer_name"]: QuantRule.from_entry(e)[0] for e in entries}
+    made: dict[str, Any] = {}
+    for slot in unit.slots:
+        name = f"{unit.module_name}.{slot}"
+        rule = rules.get(f"{unit.module_name}.{match_name(slot)}")
+        attrs = rule.attributes() if rule is not None else None
+        if attrs is not None and len(attrs) > 1:
+            made[slot] = SequentialQuantizer(name, list(attrs))
+            continue
+        q = TensorQuantizer(name)
+        if attrs:
+            q.set_attributes(attrs[0])
+        elif rule is None:
+            q.disable()
+        made[slot] = q
+    return made
+
+
+def _install(unit: _Unit, quantizers: Mapping[str, Any]) -> None:
+    for slot, q in quantizers.items():
+        parent_path, _, leaf = slot.rpartition(".")
+        _replace(unit.module.get_submodule(parent_path) if parent_path else unit.module, leaf, q)
+
+
+# ------------------------------------------------------------------------------------------------ solver
+def solve_assignment(
+    costs: Sequence[Sequence[float]], scores: Sequence[Sequence[float]], budget: float
+) -> tuple[list[int], bool] | None:
+    """One choice per group minimising the summed score with the summed cost at most ``budget``: a
+    multiple-choice knapsack, solved by dynamic programming over integer costs. Costs are made integers
+    exactly (their common denominator, then their greatest common divisor); when that needs more than 2**18
+    steps they are rounded up to ``budget / 2**18`` (the answer then stays within the budget and is optimal
+    among the assignments whose rounded cost fits). Returns ``(choices, exact)``, or ``None`` when nothing
+    fits."""
+    fractions = [[Fraction(c) for c in row] for row in costs]
+    denominator = math.lcm(*(c.denominator for row in fractions for c in row))
+    ints = [[int(c * denominator) for c in row] for row in fractions]
+    capacity = math.floor(Fraction(budget) * denominator)  # every total cost is a multiple of 1 / denominator
+    if capacity < 0:
+        return None
+    step = math.gcd(capacity, *(c for row in ints for c in row)) or 1
+    exact = capacity // step <= _MAX_CAPACITY
+    if exact:
+        weights, capacity = [[c // step for c in row] for row in ints], capacity // step
+    else:
+        unit = Fraction(capacity, _MAX_CAPACITY)
+        weights = [[math.ceil(c / unit) for c in row] for row in ints]
+        capacity = _MAX_CAPACITY
+    best = np.zeros(capacity + 1)  # best[c]: least score of the groups so far with cost <= c
+    picks = np.zeros((len(weights), capacity + 1), dtype=np.int16)
+    for g, (row, score_row) in enumerate(zip(weights, scores, strict=True)):
+        new = np.full(capacity + 1, np.inf)
+        for j, (w, s) in enumerate(zip(row, score_row, strict=True)):
+            if w > capacity:
+                continue
+            candidate = np.full(capacity + 1, np.inf)
+            candidate[w:] = best[: capacity + 1 - w] + float(s)
+            better = candidate < new
+            new[better] = candidate[better]
+            picks[g, better] = j
+        best = new
+    if not np.isfinite(best[capacity]):
+        return None
+    choice, c = [0] * len(weights), capacity
+    for g in range(len(weights) - 1, -1, -1):
+        choice[g] = int(picks[g, c])
+        c -= weights[g][choice[g]]
+    return choice, exact
+
+
+# ------------------------------------------------------------------------------------------------ scores
+def _zeros(groups: list[_Group]) -> np.ndarray:
+    return np.zeros((len(groups), max(len(g.formats) for g in groups)))
+
+
+def _logits(output: Any) -> torch.Tensor:
+    logits = output if isinstance(output, torch.Tensor) else getattr(output, "logits", None)
+    if logits is None and isinstance(output, Mapping):
+        logits = output.get("logits")
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(
+            "method='kl_div' needs forward_step(model, batch) to return the logits (a tensor, or an output "
+            f"with .logits); got {type(output).__name__}"
+        )
+    return logits
+
+
+def _gradient_scores(
+    model: nn.Module,
+    groups: list[_Group],
+    bank: dict,
+    step: Callable[[nn.Module, Any], Any],
+    batches: Iterable,
+) -> np.ndarray:
+    """Accumulate ``sum((dL/dY * (Y_q - Y))**2)`` per group and format; every group unquantized."""
+    scores = _zeros(groups)
+    at: dict[nn.Module, list[tuple[int, _Unit]]] = {}
+    for g, group in enumerate(groups):
+        if not group.disabled:
+            for unit in group.units:
+                at.setdefault(unit.score_module, []).append((g, unit))
+    busy, fired = [False], [False]
+
+    def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        out = output[0] if isinstance(output, tuple) else output
+        if busy[0] or not isinstance(out, torch.Tensor) or not out.requires_grad:
+            return
+        diffs = []
+        busy[0] = True
+        try:
+            with torch.no_grad():
+                for g, unit in at[module]:
+                    for k, fmt in enumerate(groups[g].formats[:-1]):
+                        _install(unit, bank[unit.name][fmt.name])
+                        q = module(*args, **kwargs)
+                        diffs.append((g, k, (q[0] if isinstance(q, tuple) else q) - out.detach()))
+                    _install(unit, bank[unit.name][NONE])
+        finally:
+            busy[0] = False
+
+        def on_grad(grad: torch.Tensor) -> None:
+            fired[0] = True
+            for g, k, diff in diffs:
+                scores[g, k] += float((grad.float() * diff.float()).clamp(-1e10, 1e10).square().sum())
+
+        out.register_hook(on_grad)
+
+    handles = [m.register_forward_hook(hook, with_kwargs=True) for m in at]
+    params = _activation_grad_params(model)
+    saved = {p: p.requires_grad for p in model.parameters()}
+    try:
+        for p in model.parameters():
+            p.requires_grad_(p in params)
+        with torch.enable_grad():
+            for batch in batches:
+                step(model, batch)
+                for p in params:
+                    p.grad = None
+                if not fired[0]:
+                    raise RuntimeError(
+                        "method='gradient': no gradient reached the quantized layers (does forward_step run "
+                        "under torch.no_grad, or the loss not depend on the model?); use method='kl_div', "
+                        "which needs only forward passes"
+                    )
+    finally:
+        for h in handles:
+            h.remove()
+        for p, flag in saved.items():
+            p.requires_grad_(flag)
+    return scores
+
+
+def _activation_grad_params(model: nn.Module) -> set[nn.Parameter]:
+    """The parameters that need ``requires_grad`` for activation gradients to flow: the input embeddings
+    (the reference's choice for LLMs; no other weight gradient is computed), else all."""
+    get = getattr(model, "get_input_embeddings", None)
+    embeddings = get() if callable(get) else None
+    weight = getattr(embeddings, "weight", None)
+    if isinstance(weight, nn.Parameter) and weight.is_floating_point():
+        return {weight}
+    return {p for p in model.parameters() if p.is_floating_point()}
+
+
+@torch.no_grad()
+def _kl_scores(
+    model: nn.Module,
+    groups: list[_Group],
+    bank: dict,
+    forward_step: Callable[[nn.Module, Any], Any],
+    batches: Iterable,
+) -> np.ndarray:
+    """Accumulate ``KL(p || p_q)`` (summed over tokens) per group and format, only that group quantized."""
+    scores = _zeros(groups)
+    for batch in batches:
+        reference = F.log_softmax(_logits(forward_step(model, batch)).float(), dim=-1)
+        for g, group in enumerate(groups):
+            if group.disabled:
+                continue
+            for k, fmt in enumerate(group.formats[:-1]):
+                for unit in group.units:
+                    _install(unit, bank[unit.name][fmt.name])
+                quantized = F.log_softmax(_logits(forward_step(model, batch)).float(), dim=-1)
+                scores[g, k] += float(F.kl_div(quantized, reference, reduction="sum", log_target=True))
+            for unit in group.units:
+                _install(unit, bank[unit.name][NONE])
+    return scores
+
+
+# ------------------------------------------------------------------------------------------------ checks
+def _check_inputs(
+    data_loader: Any,
+    forward_step: Any,
+    loss_func: Any,
+    forward_backward_step: Any,
+    method: str,
+    constraints: Any,
+) -> float:
+    if method not in METHODS:
+        raise ValueError(f"method={method!r}: use 'gradient' or 'kl_div'")
+    if not isinstance(constraints, Mapping) or "effective_bits" not in constraints:
+        raise ValueError("constraints must be a dict with 'effective_bits', e.g. {'effective_bits': 6.0}")
+    extra = sorted(set(constraints) - {"effective_bits", "cost_model"})
+    if extra or constraints.get("cost_model", "weight") != "weight":
+        raise UnsupportedFeatureError(
+            f"constraints {extra or ['cost_model']}: only 'effective_bits' (counted on the weights, "
+            "cost_model 'weight') is supported"
+        )
+    bits = constraints["effective_bits"]
+    if isinstance(bits, bool) or not isinstance(bits, (int, float)) or not math.isfinite(bits):
+        raise TypeError(f"constraints['effective_bits'] must be a number, got {bits!r}")
+    if data_loader is None or (hasattr(data_loader, "__len__") and len(data_loader) == 0):
+        raise ValueError(
+            "auto_quantize needs data: pass data_loader (batches for calibration and scoring) and "
+            "forward_step(model, batch)"
+        )
+    if iter(data_loader) is data_loader:
+        raise TypeError(
+            "data_loader is an iterator that can be read only once; auto_quantize reads it once per format "
+            "and once for the scores: pass a list of batches or a DataLoader"
+        )
+    if not callable(forward_step):
+        raise ValueError("auto_quantize needs forward_step(model, batch) (it returns the model output)")
+    if method == "gradient" and loss_func is None and forward_backward_step is None:
+        raise ValueError(
+            "method='gradient' needs loss_func(output, batch) -> scalar loss or forward_backward_step(model, "
+            "batch); without a loss, use method='kl_div' (forward_step returning the logits)"
+        )
+    return float(bits)
+
+
+def _probe_loss(model: nn.Module, forward_step: Callable, loss_func: Callable, batch: Any) -> None:
+    """One forward on the first batch: the loss must be a scalar with a gradient."""
+    params = _activation_grad_params(model)
+    saved = {p: p.requires_grad for p in params}
+    try:
+        for p in params:
+            p.requires_grad_(True)
+        with torch.enable_grad():
+            loss = loss_func(forward_step(model, batch), batch)
+    finally:
+        for p, flag in saved.items():
+            p.requires_grad_(flag)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shape = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ValueError(
+            f"loss_func must return a scalar tensor (loss.backward() is called on it); got {shape}. Reduce "
+            "it (e.g. .mean()), or use method='kl_div', which needs no loss"
+        )
+    if not loss.requires_grad:
+        raise ValueError(
+            "method='gradient': the loss has no gradient (forward_step under torch.no_grad / inference_mode, "
+            "or a model without trainable floating-point parameters); use method='kl_div', which needs only "
+            "forward passes"
+        )
+
+
+def _bits_range(groups: list[_Group]) -> tuple[float, float]:
+    total = sum(g.numel for g in groups)
+    low = sum(g.numel * g.formats[0].bits for g in groups) / total
+    return low, 16.0
+
+
+# ------------------------------------------------------------------------------------------------ search
+def auto_quantize(
+    model: nn.Module,
+    constraints: dict[str, Any] | None = None,
+    quantization_formats: list[dict[str, Any] | str | None] | None = None,
+    data_loader: Iterable[Any] | None = None,
+    forward_step: Callable[[nn.Module, Any], Any] | None = None,
+    loss_func: Callable[[Any, Any], torch.Tensor] | None = None,
+    forward_backward_step: Callable[[nn.Module, Any], Any] | None = None,
+    disabled_layers: list[str] | str | None = None,
+    num_calib_steps: int = 512,
+    num_score_steps: int = 128,
+    verbose: bool = False,
+    method: str = "gradient",
+    checkpoint: str | None = None,
+    module_search_spaces: list[dict[str, Any]] | None = None,
+    fixed_quantization_config: dict[str, Any] | str | None = None,
+) -> tuple[nn.Module, dict[str, Any]]:
+    """Quantize ``model`` (in place) with a format per layer group chosen under an effective-bits budget;
+    returns ``(model, search_state)``. See the module docstring for the method.
+
+    Args:
+        model: an unquantized model.
+        constraints: ``{"effective_bits": b}``: the weight bits per parameter of the searched layers
+            (unquantized ones count 16); default 4.8 as in the reference.
+        quantization_formats: candidates, by preset name, recipe name / path or config dict (calibrated with
+            ``max``, ``mse`` or ``local_hessian``); "unquantized" is always a candidate (``None`` in the list
+            is accepted and means it). Default ``["NVFP4_DEFAULT_CFG", "FP8_DEFAULT_CFG"]``.
+        data_loader: a re-iterable of batches (list, DataLoader): the first ``num_calib_steps`` calibrate
+            each format, the first ``num_score_steps`` score them.
+        forward_step: ``forward_step(model, batch)`` returns the model output (the logits for ``kl_div``).
+        loss_func: ``loss_func(output, batch)`` returns the scalar loss (``gradient``).
+        forward_backward_step: instead of ``loss_func``: runs forward and ``backward`` itself.
+        disabled_layers: patterns (fnmatch) of layers kept unquantized, on module names (or quantizer names).
+        num_calib_steps, num_score_steps: batches for calibration and for the scores.
+        verbose: log the chosen format of every group (INFO); otherwise DEBUG.
+        method: ``"gradient"`` (Fisher estimate of the loss change) or ``"kl_div"``.
+        checkpoint, module_search_spaces, fixed_quantization_config: the reference's extensions; not
+            supported here (they raise).
+
+    The search state holds, per group (``candidate_stats``), its formats, scores, costs (``numel * bits /
+    16``) and the config entries of each format, and the choice (``best``); it is plain JSON data.
+    """
+    for name, value in (
+        ("checkpoint", checkpoint),
+        ("module_search_spaces", module_search_spaces),
+        ("fixed_quantization_config", fixed_quantization_config),
+    ):
+        if value is not None:
+            raise UnsupportedFeatureError(f"auto_quantize({name}=...) is not supported; leave it None")
+    if is_distributed():
+        raise UnsupportedFeatureError(
+            "auto_quantize under torch.distributed is not supported: run the search in one process, then "
+            "quantize every rank with mtq.quantize(model, mtq.get_auto_quantize_config(state), forward_loop)"
+        )
+    effective_bits = _check_inputs(
+        data_loader,
+        forward_step,
+        loss_func,
+        forward_backward_step,
+        method,
+        constraints or {"effective_bits": 4.8},
+    )
+    formats = _resolve_formats(quantization_formats or ["NVFP4_DEFAULT_CFG", "FP8_DEFAULT_CFG"])
+    patterns = [disabled_layers] if isinstance(disabled_layers, str) else list(disabled_layers or [])
+    if model_quant.quant_state(model) is not None or any(isinstance(m, QuantModule) for m in model.modules()):
+        raise ValueError("auto_quantize needs an unquantized model (this one already has quantizers)")
+    implementations = snapshot_implementations(model)
+    try:
+        insert_quantizers(model)
+        for _, q in iter_quantizers(model):
+            q.disable()
+        groups = _groups(_units(model), formats, patterns)
+        if not groups:
+            raise ValueError(f"{type(model).__name__} has no quantizable layer with weights to search")
+        low, high = _bits_range(groups)
+        if not low - 1e-9 <= effective_bits <= high:
+            raise ValueError(
+                f"effective_bits={effective_bits} is out of reach: with these formats and disabled layers "
+                f"the reachable range is [{low:.4f}, {high:.1f}] bits"
+            )
+        if method == "gradient" and loss_func is not None:
+            _probe_loss(model, forward_step, loss_func, next(iter(data_loader)))
+        state = _search(
+            model, groups, formats, effective_bits, data_loader, forward_step, loss_func,
+            forward_backward_step, method, num_calib_steps, num_score_steps, verbose, patterns,
+        )  # fmt: skip
+    except BaseException:
+        remove_quantizers(model, implementations)
+        raise
+    for hook in model_quant._POST_QUANTIZE_HOOKS:
+        hook(model)
+    return model, state
+
+
+def _search(
+    model: nn.Module,
+    groups: list[_Group],
+    formats: list[_Format],
+    effective_bits: float,
+    data_loader: Iterable[Any],
+    forward_step: Callable,
+    loss_func: Callable | None,
+    forward_backward_step: Callable | None,
+    method: str,
+    num_calib_steps: int,
+    num_score_steps: int,
+    verbose: bool,
+    disabled_layers: list[str],
+) -> dict[str, Any]:
+    units = [u for g in groups for u in g.units]
+    entries = {u.name: {f.name: _entries(u, f) for f in formats} for u in units}
+    bank: dict[str, dict[str, dict[str, Any]]] = {u.name: {} for u in units}
+
+    def forward_loop(m: nn.Module) -> None:
+        for batch in itertools.islice(data_loader, num_calib_steps):
+            forward_step(m, batch)
+
+    for fmt in formats[:-1]:  # calibrate every unit in this format, as mtq.quantize would
+        searched = [u for g in groups if not g.disabled for u in g.units]
+        for unit in searched:
+            _install(unit, _make_quantizers(unit, entries[unit.name][fmt.name]))
+        logger.info("auto_quantize: calibrating %s (%s)", fmt.name, fmt.config.algorithm_name)
+        calibrate(model, fmt.config.algorithm, forward_loop)
+        for unit in searched:
+            bank[unit.name][fmt.name] = {s: unit.module.get_submodule(s) for s in unit.slots}
+    for unit in units:
+        bank[unit.name][NONE] = _make_quantizers(unit, [])
+        _install(unit, bank[unit.name][NONE])
+
+    batches = list(itertools.islice(data_loader, num_score_steps))
+    model.eval()
+    logger.info("auto_quantize: scoring %d group(s) x %d format(s) on %d batch(es) (%s)",
+                sum(not g.disabled for g in groups), len(formats) - 1, len(batches), method)  # fmt: skip
+    if method == "gradient":
+        step = forward_backward_step or _default_step(forward_step, loss_func)
+        raw = _gradient_scores(model, groups, bank, step, batches)
+    else:
+        raw = _kl_scores(model, groups, bank, forward_step, batches)
+
+    stats: dict[str, dict[str, Any]] = {}
+    for g, group in enumerate(groups):
+        capped = []
+        for k, fmt in enumerate(group.formats):
+            score = 0.0 if fmt.config is None else float(raw[g, k])
+            capped.append(min(score, capped[-1]) if capped else score)
+        stats[group.name] = {
+            "formats": [f.name for f in group.formats],
+            "scores": capped,
+            "costs": [group.numel * f.bits / 16 for f in group.formats],
+            "module_names": [u.name for u in group.units],
+            "disabled": group.disabled,
+            "quant_cfg": {
+                f.name: [e for u in group.units for e in entries[u.name][f.name]] for f in group.formats
+            },
+        }
+    state: dict[str, Any] = {
+        "method": method,
+        "cost_model": "weight",
+        "quantization_formats": {f.name: f.config.to_dict() for f in formats if f.config is not None},
+        "disabled_layers": disabled_layers,
+        "cost_denominator": sum(g.numel for g in groups),
+        "candidate_stats": stats,
+    }
+    state["best"] = _solve(state, effective_bits)
+    chosen = state["best"]["recipe"]
+    provenance = Provenance()
+    config = get_auto_quantize_config(state)
+    index = {e["quantizer_name"]: i for i, e in enumerate(config["quant_cfg"])}
+    for group in groups:
+        fmt, score = chosen[group.name], _chosen_score(stats[group.name], chosen[group.name])
+        for unit in group.units:
+            _install(unit, bank[unit.name][fmt])
+            for slot in unit.slots:
+                rule = f"{unit.module_name}.{match_name(slot)}"
+                what = f"auto_quantize {fmt} (score {score:.3g}): {rule}"
+                provenance.rules[f"{unit.module_name}.{slot}"] = [(index.get(rule, 0), what)]
+    bank.clear()
+    model_quant.set_quant_state(model, model_quant.QuantState(QuantizeConfig.from_dict(config), provenance))
+    _log_choice(state, verbose)
+    return state
+
+
+def _default_step(forward_step: Callable, loss_func: Callable | None) -> Callable[[nn.Module, Any], None]:
+    def step(model: nn.Module, batch: Any) -> None:
+        loss_func(forward_step(model, batch), batch).backward()  # type: ignore[misc]
+
+    return step
+
+
+def _chosen_score(stat: Mapping[str, Any], fmt: str) -> float:
+    return stat["scores"][stat["formats"].index(fmt)]
+
+
+def _solve(state: Mapping[str, Any], effective_bits: float) -> dict[str, Any]:
+    stats = state["candidate_stats"]
+    total = state["cost_denominator"]
+    names = list(stats)
+    solved = solve_assignment(
+        [stats[n]["costs"] for n in names], [stats[n]["scores"] for n in names], total * effective_bits / 16
+    )
+    if solved is None:
+        low = sum(min(stats[n]["costs"]) for n in names) / total * 16
+        raise ValueError(
+            f"effective_bits={effective_bits} is out of reach: the reachable range is [{low:.4f}, 16.0]"
+        )
+    choice, exact = solved
+    cost = sum(stats[n]["costs"][j] for n, j in zip(names, choice, strict=True))
+    return {
+        "recipe": {n: stats[n]["formats"][j] for n, j in zip(names, choice, strict=True)},
+        "constraints": {"effective_bits": cost / total * 16},
+        "score": sum(stats[n]["scores"][j] for n, j in zip(names, choice, strict=True)),
+        "is_satisfied": True,
+        "exact": exact,
+    }
+
+
+def _log_choice(state: Mapping[str, Any], verbose: bool) -> None:
+    best = state["best"]
+    log = logger.info if verbose else logger.debug
+    for name, fmt in best["recipe"].items():
+        log("auto_quantize: %s -> %s", name.removesuffix(".quant_recipe"), fmt)
+    counts: dict[str, int] = {}
+    for fmt in best["recipe"].values():
+        counts[fmt] = counts.get(fmt, 0) + 1
+    logger.info(
+        "auto_quantize: %.3f effective bits, score %.4g; groups per format: %s",
+        best["constraints"]["effective_bits"],
+        best["score"],
+        ", ".join(f"{k} {v}" for k, v in counts.items()),
+    )
+
+
+def get_auto_quantize_config(
+    search_state: Mapping[str, Any], constraints: Mapping[str, Any] | None = None, verbose: bool = False
+) -> dict[str, Any]:
+    """The config (list form) that :func:`~.model_quant.quantize` applies to reproduce the assignment of
+    ``search_state``; with ``constraints`` (``{"effective_bits": b}``), the assignment solved again for that
+    budget from the stored scores (no calibration, no scoring). Everything is disabled first, then each
+    quantized layer gets its format's rules under its own name. The algorithm is the chosen formats' own
+    when they share one, else ``max`` (logged)."""
+    if not isinstance(search_state, Mapping) or "candidate_stats" not in search_state:
+        raise TypeError("search_state must be the state returned by mtq.auto_quantize")
+    best = search_state["best"]
+    if constraints is not None:
+        best = _solve(search_state, float(constraints["effective_bits"]))
+        _log_choice({**search_state, "best": best}, verbose)
+    quant_cfg: list[dict[str, Any]] = [{"quantizer_name": "*", "enable": False}]
+    for name, fmt in best["recipe"].items():
+        quant_cfg += search_state["candidate_stats"][name]["quant_cfg"][fmt]
+    formats = search_state["quantization_formats"]
+    algorithms = {
+        repr(formats[f]["algorithm"]): formats[f]["algorithm"] for f in best["recipe"].values() if f != NONE
+    }
+    algorithm = next(iter(algorithms.values())) if len(algorithms) == 1 else "max"
+    if len(algorithms) > 1:
+        logger.warning("auto_quantize: the chosen formats calibrate differently; the config uses 'max'")
+    return {"quant_cfg": quant_cfg, "algorithm": algorithm}

@@ -14,7 +14,11 @@ Perplexity and KL(unquantized || quantized) follow the one protocol of ``modelop
 in the output.
 
 ``--qformat a,b`` makes a mixed recipe: ``a`` for the attention projections, ``b`` for the MLP and experts
-(the two presets' calibration algorithms must agree, or one of them be plain max).
+(the two presets' calibration algorithms must agree, or one of them be plain max). With
+``--auto_quantize_bits B`` the comma list names the candidates instead: ``mtq.auto_quantize`` picks a format
+(or none) per layer group under an average of ``B`` bits per weight, as in the reference's ``hf_ptq``:
+
+    modelopt-lite-ptq --default_model dense --auto_quantize_bits 6.0 --qformat nvfp4,fp8
 """
 
 from __future__ import annotations
@@ -31,10 +35,11 @@ from .. import evaluation
 from .. import quantization as mtq
 from ..data import heldout_split, load_texts, token_stream, windows
 from ..logging import get_logger
+from ..quantization.auto_quantize import SEARCHABLE_ALGORITHMS
 from ..quantization.presets import STANDARD_EXCLUSIONS
 from .layers import SUPPORTED
 
-__all__ = ["QFORMATS", "build_config", "main", "parse_args"]
+__all__ = ["QFORMATS", "auto_quantize_formats", "build_config", "main", "parse_args"]
 
 logger = get_logger(__name__)
 
@@ -95,6 +100,25 @@ def build_config(qformat: str, kv_cache_qformat: str = "none") -> dict[str, Any]
     return cfg
 
 
+def auto_quantize_formats(qformat: str) -> list[str]:
+    """The candidate presets of ``--qformat a,b,...`` for ``--auto_quantize_bits``."""
+    names = [q.strip() for q in qformat.split(",")]
+    unknown = [q for q in names if q not in QFORMATS]
+    if unknown:
+        raise ValueError(
+            f"--qformat {qformat!r}: with --auto_quantize_bits, a comma list of candidates from "
+            f"{sorted(QFORMATS)}"
+        )
+    for name in names:
+        algorithm = _algorithm_name(mtq.get_preset(QFORMATS[name]))
+        if algorithm not in SEARCHABLE_ALGORITHMS:
+            raise ValueError(
+                f"--qformat {name}: calibrates with {algorithm}, which changes the weights; the search "
+                f"takes formats calibrated with {' / '.join(SEARCHABLE_ALGORITHMS)}"
+            )
+    return [QFORMATS[q] for q in names]
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="modelopt-lite-ptq", description=__doc__.split("\n\n")[0])
     p.add_argument(
@@ -113,6 +137,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--qformat", default="nvfp4", help=f"one of {sorted(QFORMATS)}, or 'attention,mlp'")
     p.add_argument("--kv_cache_qformat", default="none", choices=sorted(KV_FORMATS))
     p.add_argument("--recipe", default=None, help="a recipe name or YAML path (replaces --qformat)")
+    p.add_argument(
+        "--auto_quantize_bits",
+        type=float,
+        default=None,
+        help="search a format per layer group (mtq.auto_quantize) among the comma-separated --qformat "
+        "candidates and unquantized, under this average of bits per weight",
+    )
+    p.add_argument("--auto_quantize_method", choices=["gradient", "kl_div"], default="gradient")
+    p.add_argument(
+        "--auto_quantize_score_size", type=int, default=128, help="calibration samples that score the formats"
+    )
     p.add_argument("--calib_size", type=int, default=64, help="calibration samples of --calib_seq tokens")
     p.add_argument(
         "--eval_size",
@@ -167,9 +202,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error(
             "--default_model picks the bundled model when --pyt_ckpt_path is omitted; pass only one of them"
         )
+    if args.recipe is not None and args.auto_quantize_bits is not None:
+        p.error("--auto_quantize_bits searches among the --qformat candidates; it does not take --recipe")
     if args.recipe is None:
         try:
-            build_config(args.qformat, args.kv_cache_qformat)
+            build_config(args.qformat if args.auto_quantize_bits is None else "fp8", args.kv_cache_qformat)
+            if args.auto_quantize_bits is not None:
+                auto_quantize_formats(args.qformat)
         except ValueError as err:
             p.error(str(err))
     target = Path(args.export_path) if args.export_path else None
@@ -268,8 +307,11 @@ def _run(args: argparse.Namespace) -> int:
         before = evaluation.perplexity(model, held_out, args.batch_size)
         reference = evaluation.reference_within(model, held_out)
     batches = [calib[i : i + args.batch_size] for i in range(0, calib.shape[0], args.batch_size)]
-    with torch.no_grad():
-        mtq.quantize(model, config, batches, experts_implementation=args.experts_implementation)
+    if args.auto_quantize_bits is not None:
+        _auto_quantize(model, args, batches)
+    else:
+        with torch.no_grad():
+            mtq.quantize(model, config, batches, experts_implementation=args.experts_implementation)
     mtq.print_quant_summary(model)
     if held_out is not None:
         after = evaluation.perplexity(model, held_out, args.batch_size)
@@ -281,6 +323,46 @@ def _run(args: argparse.Namespace) -> int:
         result = export_hf_checkpoint(model, args.export_path, tokenizer=tokenizer, overwrite=args.overwrite)
         logger.info("checkpoint: %s (%.2f MB)", result.export_dir, result.total_bytes / 1e6)
     return 0
+
+
+#: Layers the search keeps unquantized: the standard exclusions (routers, gates, convolutions, vision towers)
+#: but ``lm_head``, which the reference's ``hf_ptq`` searches too.
+AUTO_QUANTIZE_DISABLED = [
+    r["quantizer_name"]
+    for r in STANDARD_EXCLUSIONS
+    if "parent_class" not in r and r["quantizer_name"] != "*lm_head*"
+]
+
+
+def _auto_quantize(model: Any, args: argparse.Namespace, batches: list[torch.Tensor]) -> None:
+    """``mtq.auto_quantize`` among the ``--qformat`` candidates, then the KV cache (uniform, as in the
+    reference: set and max-calibrated after the search)."""
+    if args.experts_implementation and hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation(args.experts_implementation)
+    data = [{"input_ids": b, "labels": b} for b in batches]
+    gradient = args.auto_quantize_method == "gradient"
+    mtq.auto_quantize(
+        model,
+        {"effective_bits": args.auto_quantize_bits},
+        auto_quantize_formats(args.qformat),
+        data,
+        (lambda m, b: m(**b)) if gradient else (lambda m, b: m(input_ids=b["input_ids"]).logits),
+        (lambda output, b: output.loss) if gradient else None,
+        disabled_layers=AUTO_QUANTIZE_DISABLED,
+        num_calib_steps=len(data),
+        num_score_steps=min(len(data), max(args.auto_quantize_score_size // args.batch_size, 1)),
+        verbose=True,
+        method=args.auto_quantize_method,
+    )
+    kv = KV_FORMATS[args.kv_cache_qformat]
+    if kv is not None:
+        rules = mtq.get_preset(kv)["quant_cfg"]
+        mtq.set_quantizer_by_cfg(model, rules)
+        with (
+            torch.no_grad(),
+            mtq.set_quantizer_by_cfg_context(model, [{"quantizer_name": "*", "enable": False}, *rules]),
+        ):
+            mtq.calibrate(model, "max", batches)
 
 
 if __name__ == "__main__":

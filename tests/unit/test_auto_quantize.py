@@ -325,3 +325,31 @@ def test_unsupported_reference_options_raise():
         )
     with pytest.raises(TypeError, match="search_state"):
         mtq.get_auto_quantize_config({})
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+def test_ptq_cli_searches_the_qformat_candidates_and_exports(tmp_path, lib_caplog):
+    from modelopt_lite.export.ptq import main
+
+    from ._models import word_tokenizer
+
+    word_tokenizer().save_pretrained(tmp_path / "model")
+    tiny_llama().save_pretrained(tmp_path / "model")
+    (tmp_path / "data.txt").write_text(
+        "\n\n".join(" ".join(f"w{(i * 7 + j) % 120}" for j in range(16)) for i in range(8))
+    )
+    args = ["--pyt_ckpt_path", str(tmp_path / "model"), "--dataset", str(tmp_path / "data.txt"),
+            "--calib_seq", "16", "--eval_seq", "16", "--calib_size", "4", "--eval_size", "1",
+            "--batch_size", "2", "--qformat", "nvfp4,fp8", "--auto_quantize_bits", "6.0",
+            "--kv_cache_qformat", "fp8"]  # fmt: skip
+    lib_caplog.set_level("INFO", logger="modelopt_lite")
+    assert main([*args, "--export_path", str(tmp_path / "out")]) == 0
+    assert "auto_quantize: 5." in lib_caplog.text
+    quant = json.loads((tmp_path / "out" / "hf_quant_config.json").read_text())["quantization"]
+    assert quant["quant_algo"] == "MIXED_PRECISION"
+    assert {e["quant_algo"] for e in quant["quantized_layers"].values()} == {"NVFP4", "FP8"}
+    assert quant["kv_cache_quant_algo"] == "FP8"
+    assert main([*args[:-4], "--auto_quantize_bits", "3.0"]) == 2
+    assert "reachable range" in lib_caplog.text
+    with pytest.raises(SystemExit):
+        main([*args[:-5], "nvfp4_awq,fp8", "--auto_quantize_bits", "6.0"])

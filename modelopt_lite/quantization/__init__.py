@@ -29,6 +29,7 @@ from .compat import (
     temporarily_fold_weights,
     update_quant_cfg_with_kv_cache_quant,
 )
+from .compress import compress, is_compressed
 from .config import QuantizeConfig, QuantRule, UnsupportedFeatureError, quantizer_attributes
 from .config_models import *  # noqa: F403  (the reference's pydantic config classes)
 from .insertion import insert_quantizers
@@ -48,7 +49,6 @@ from .presets import EXTRA_PRESETS, KV_PRESETS, PRESETS, get_preset, preset_name
 from .recipes import Recipe, list_recipes, load_recipe
 from .rotation import rotate_residual
 from .unsupported import (
-    compress,
     register_attention_for_kv_quant,
     register_quant_backend,
 )
@@ -90,6 +90,7 @@ __all__ = [
     "get_auto_quantize_config",
     "get_preset",
     "insert_quantizers",
+    "is_compressed",
     "iter_quantizers",
     "list_recipes",
     "load_recipe",

@@ -1,12 +1,11 @@
-"""What NVIDIA Model-Optimizer's ``mtq`` has and this library deliberately does not (``compress``, custom
-quantization backends, attention classes rewritten from their source): each exists under its name and raises
+"""What NVIDIA Model-Optimizer's ``mtq`` has and this library deliberately does not (custom quantization
+backends, attention classes rewritten from their source): each exists under its name and raises
 :class:`~.config.UnsupportedFeatureError` (a ``NotImplementedError``) naming what to use instead, so a
 migrated script learns it at the first call."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import nn
@@ -15,21 +14,11 @@ from ..nn import QUANT_MODULES
 from ..nn.errors import UnsupportedFeatureError
 
 __all__ = [
-    "compress",
     "is_registered_quant_backend",
     "register_attention_for_kv_quant",
     "register_quant_backend",
     "unregister_quant_backend",
 ]
-
-
-def compress(model: nn.Module, config: Any = None) -> nn.Module:
-    """The reference's in-memory real low-bit weights: not implemented yet (planned in a later issue)."""
-    raise UnsupportedFeatureError(
-        "mtq.compress (real low-bit weights held in memory) is not implemented yet (planned in a later "
-        "issue); modelopt_lite.export.export_hf_checkpoint writes the real quantized weights, and "
-        "mtq.fold_weight bakes the fake-quantized values into the weights"
-    )
 
 
 def register_quant_backend(name: str, entrypoint: Callable[..., torch.Tensor]) -> None:

@@ -33,6 +33,7 @@ from ..opt.checkpoint import STATE_FILE
 from ..opt.hf import attached
 from ..opt.state import modelopt_state, restore_from_modelopt_state
 from ..quantization import need_calibration, quant_state, quantize
+from ..quantization.compress import compressed_layers
 from ..quantization.config import plain
 from .arguments import QuantizationArguments
 from .calib_data import calibration_samples
@@ -133,6 +134,14 @@ class QATTrainer(Trainer):
         self._check_launch()
 
     def _check_launch(self) -> None:
+        compressed = compressed_layers(self.model) if self.model is not None else {}
+        if compressed:
+            name, algo = next(iter(compressed.items()))
+            raise ValueError(
+                f"the model is compressed ({len(compressed)} layer(s) hold real {algo} weights, e.g. "
+                f"{name}): train before compressing (QAT / QAD on the fake-quantized model, then mtq.compress); "
+                "fine-tuning frozen compressed weights is not supported"
+            )
         launched = int(os.environ.get("WORLD_SIZE", "1"))
         if launched > 1 and self.args.world_size == 1:
             raise RuntimeError(

@@ -162,7 +162,6 @@ def test_other_mtq_mto_tensor_quant_nn_and_export_names_exist():
 
 
 REFUSED = [
-    (lambda: mtq.compress(nn.Linear(2, 2)), "export_hf_checkpoint"),
     (lambda: mtq.register_quant_backend("mine", lambda x, q: x), "built-in"),
     (lambda: qnn.unregister_quant_backend("mine"), "not implemented"),
     (lambda: qnn.QuantConv2d(3, 3, 3), "LLM linear"),

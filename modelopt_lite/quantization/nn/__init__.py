@@ -38,8 +38,8 @@ _WHAT: dict[str, str] = {
     "QuantRNNFullBase": "quantized RNNs are not supported",
     "RNNLayerForward": "quantized RNNs are not supported",
     "VFRNNForward": "quantized RNNs are not supported",
-    "RealQuantLinear": "real low-bit weights in memory (mtq.compress) are not implemented; export with "
-    "modelopt_lite.export.export_hf_checkpoint",
+    "RealQuantLinear": "there is no real-quant linear class: mtq.compress(model) keeps each quantized "
+    "layer's weight packed (real low-bit, in memory); modelopt_lite.export.export_hf_checkpoint writes it",
     "SVDQuantLinear": "the svdquant algorithm gives QuantLinear its low-rank branch (no class swap); "
     "quantize with NVFP4_SVDQUANT_DEFAULT_CFG or algorithm 'svdquant'",
     "GroupedQuantizer": "grouped quantizers are not implemented: fused MoE experts get one quantizer per "

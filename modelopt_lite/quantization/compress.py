@@ -1,0 +1,225 @@
+"""``mtq.compress``: real low-bit weights in memory, after ``mtq.quantize`` or QAT (docs/compress.md).
+
+Each quantized linear layer keeps its weight as the packer's tensors (:mod:`.packers`, the tensors an export
+writes: ``weight`` codes, ``weight_scale``, ``weight_scale_2``) instead of a full-precision parameter, and
+computes with them in one of two ways:
+
+* a torchao kernel: W8A8 (INT8 per-channel weight, INT8 per-tensor static input, SmoothQuant's
+  ``pre_quant_scale``) runs torchao's ``Int8Tensor`` linear, a real int8 x int8 GEMM with int32 accumulation
+  (the activation is quantized by torchao with the calibrated input scale). Its outputs differ from the
+  fake-quant model's by the float rounding of a different order of operations
+  (:data:`W8A8_TOLERANCE`).
+* dequantize on the fly, every other format: the layer's weight is rebuilt from the codes for each forward
+  (peak extra memory: one layer's weight) and the layer computes what the fake-quant layer computes, bit for
+  bit. Where the packer's dequantization is within one ulp of the fake-quantized weight (INT and FP8, whose
+  stored scale is ``amax / max_bound``), the calibrated weight quantizer is applied to it once more, which
+  maps it back exactly onto the fake-quantized value.
+
+The input quantizer (activation fake quant, ``pre_quant_scale``) stays as it was on the dequantize path.
+Fine-tuning on top of frozen compressed weights (QLoRA style) is out of scope: train before compressing.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections import Counter
+from functools import cache
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..logging import get_logger
+from ..moe import QuantExperts
+from ..nn import QuantLinear
+from ..nn.errors import UnsupportedFeatureError
+from .calibrate import check_calibrated
+from .packers import Packer, UnsupportedFormatError, detect_format, get_packer
+
+__all__ = ["W8A8_TOLERANCE", "compress", "compressed_layers", "is_compressed", "require_torchao"]
+
+logger = get_logger(__name__)
+
+#: ``(rtol, atol)`` within which the W8A8 torchao kernel's outputs equal the fake-quant layer's (tested)
+W8A8_TOLERANCE = (1e-5, 1e-5)
+#: quant_algo -> the torchao kernel that runs it (the other formats dequantize on the fly)
+KERNELS = {"W8A8_SQ_PER_CHANNEL": "torchao Int8Tensor (int8 x int8 GEMM)"}
+_TENSORS = ("weight", "weight_scale", "weight_scale_2")
+
+
+def require_torchao() -> Any:
+    """The ``torchao`` module, or an ``ImportError`` naming the extra that installs it."""
+    try:
+        return importlib.import_module("torchao")
+    except ImportError as err:
+        raise ImportError(
+            f"mtq.compress needs torchao ({err}); install it with: pip install 'modelopt_lite[torchao]'"
+        ) from err
+
+
+class CompressedLinear(nn.Module):
+    """Mixin of a compressed :class:`~modelopt_lite.nn.QuantLinear` (see the module docstring): the packed
+    tensors are buffers under the export's names, ``quant_algo`` names the format."""
+
+    quant_algo: str
+    _weight_dtype: torch.dtype
+    _weight_shape: torch.Size
+
+    def _packed(self) -> dict[str, torch.Tensor]:
+        return {n: b for n in _TENSORS if (b := self._buffers.get(n)) is not None}
+
+    @property
+    def packer(self) -> Packer:
+        return get_packer(self.quant_algo)
+
+    def _weight_view(self) -> torch.Tensor:
+        """The ``(out, in)`` weight, dequantized (what the fake-quant layer's weight quantizer returned)."""
+        weight = self.packer.dequantize(self._packed())
+        if not self.packer.exact_dequantize:
+            weight = self.weight_quantizer(weight)
+        return weight.to(self._weight_dtype)
+
+    def quantized_weight(self) -> torch.Tensor:
+        return self._from_view(self._weight_view())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.uses_kernel:
+            return super().forward(x)
+        return F.linear(x, self._int8_weight(x.dtype, x.ndim), self.bias)
+
+    def fold_weight(self) -> None:
+        raise UnsupportedFeatureError(
+            f"{self.weight_quantizer.name}: the layer is compressed (its weight is already real "
+            f"{self.quant_algo}); fold_weight applies to fake-quantized layers, before mtq.compress"
+        )
+
+    def _apply(self, fn, recurse=True):  # type: ignore[override]
+        # the packed tensors keep their dtypes under model.to(bfloat16) / .half() (a cast would change
+        # every code and scale); the weight's compute dtype follows the cast
+        saved = self._packed()
+        super()._apply(fn, recurse)
+        for name, old in saved.items():
+            new = self._buffers[name]
+            if new.dtype != old.dtype:
+                self._buffers[name] = old.to(device=new.device)
+        self._weight_dtype = fn(torch.empty(0, dtype=self._weight_dtype)).dtype
+        return self
+
+    # ---- the torchao W8A8 kernel
+    uses_kernel: bool = False
+
+    def _int8_weight(self, dtype: torch.dtype, ndim: int) -> torch.Tensor:
+        """The int8 codes and scales as torchao's ``Int8Tensor`` with a static per-tensor activation scale
+        (shares the buffers; built per call, for the input's dtype and rank)."""
+        from torchao.quantization import Int8Tensor
+        from torchao.quantization.granularity import PerTensor
+        from torchao.quantization.quantize_.workflows.int8.int8_tensor import QuantizeTensorToInt8Kwargs
+
+        iq = self.input_quantizer
+        act_scale = (iq.amax.float() / 127.0).reshape([1] * ndim)
+        pre_scale = iq.pre_quant_scale
+        return Int8Tensor(
+            self.weight,
+            self.weight_scale.reshape(-1, 1),
+            list(self._weight_shape),
+            dtype,
+            act_quant_scale=act_scale,
+            act_quant_kwargs=QuantizeTensorToInt8Kwargs(granularity=PerTensor()),
+            act_pre_scale=None if pre_scale is None else pre_scale.to(dtype),
+        )
+
+
+@cache
+def _compressed_class(cls: type[nn.Module]) -> type[nn.Module]:
+    return type(f"Compressed{cls.__name__}", (CompressedLinear, cls), {"__module__": __name__})
+
+
+def is_compressed(model: nn.Module) -> bool:
+    """Whether some layer of ``model`` holds compressed weights (:func:`compress`)."""
+    return any(isinstance(m, CompressedLinear) for m in model.modules())
+
+
+def compressed_layers(model: nn.Module) -> dict[str, str]:
+    """``{layer name: quant_algo}`` of the compressed layers of ``model``."""
+    return {n: m.quant_algo for n, m in model.named_modules() if isinstance(m, CompressedLinear)}
+
+
+def _kernel_fits(module: QuantLinear, algo: str) -> bool:
+    """Whether the torchao kernel computes this layer: W8A8 on a plain linear (not Conv1D, no low-rank
+    branch), an input quantizer without rotation or bias (torchao quantizes the activation itself)."""
+    iq = module.input_quantizer
+    return (
+        algo in KERNELS
+        and type(module).forward is QuantLinear.forward
+        and iq.attributes.rotation() is None
+        and iq.bias_calibrator is None
+    )
+
+
+@torch.no_grad()
+def _compress_layer(module: QuantLinear, algo: str, kernel: bool) -> None:
+    weight = module._weight_view()
+    tensors = get_packer(algo).pack(weight.detach(), module.weight_quantizer)
+    dtype, shape = weight.dtype, weight.shape
+    del module.weight  # the full-precision parameter goes; the codes take its name
+    module.__class__ = _compressed_class(type(module))
+    module.quant_algo = algo
+    module._weight_dtype, module._weight_shape = dtype, shape
+    for name, tensor in tensors.items():
+        module.register_buffer(name, tensor.contiguous())
+    module.uses_kernel = kernel
+
+
+def compress(model: nn.Module, config: Any = None) -> nn.Module:
+    """Store the weight of every quantized linear layer of a calibrated model in its real format, in place;
+    returns ``model``. Formats: those of the export (``mtq.export.detect_format``): INT8 per channel (W8A8,
+    W8A16), INT4 block (W4A16_AWQ, W4A8_AWQ), FP8, NVFP4, MXFP8. ``config`` (the reference's argument)
+    must be ``None``. Layers already compressed are left as they are; fused MoE experts stay fake-quantized
+    (a warning names them). Raises when a quantizer is not calibrated or a layer's quantization has no real
+    format, before changing anything."""
+    if config is not None:
+        raise UnsupportedFeatureError(
+            f"mtq.compress(config={config!r}): the format of each layer is the one it was quantized with; "
+            "call mtq.compress(model)"
+        )
+    require_torchao()
+    check_calibrated(model)
+    plan: list[tuple[str, QuantLinear, str]] = []
+    experts = [n for n, m in model.named_modules() if isinstance(m, QuantExperts)]
+    for name, module in model.named_modules():
+        if not isinstance(module, QuantLinear) or isinstance(module, CompressedLinear):
+            continue
+        if module.output_quantizer.is_enabled:
+            raise UnsupportedFormatError(
+                f"{name}: output quantizer is enabled; mtq.compress keeps weights only (disable "
+                "*output_quantizer)"
+            )
+        algo = detect_format(name, module.weight_quantizer, module.input_quantizer)
+        if algo is not None:
+            plan.append((name, module, algo))
+    if not plan and not any(isinstance(m, CompressedLinear) for m in model.modules()):
+        raise ValueError(
+            f"mtq.compress: {type(model).__name__} has no quantized linear layer to compress; quantize it "
+            "first (mtq.quantize(model, config, forward_loop), or train it with QATTrainer)"
+        )
+    kernels = {name: _kernel_fits(module, algo) for name, module, algo in plan}
+    for name, module, algo in plan:
+        _compress_layer(module, algo, kernels[name])
+    for algo, count in sorted(Counter(a for n, _, a in plan if not kernels[n]).items()):
+        logger.info(
+            "mtq.compress: %d %s layer(s) dequantize on the fly (no torchao kernel runs them here; their "
+            "outputs equal the fake-quant model's)",
+            count,
+            algo,
+        )
+    for algo, count in sorted(Counter(a for n, _, a in plan if kernels[n]).items()):
+        logger.info("mtq.compress: %d %s layer(s) run %s", count, algo, KERNELS[algo])
+    if experts:
+        logger.warning(
+            "mtq.compress: %d fused MoE experts module(s) stay fake-quantized with full-precision weights "
+            "(not compressed): %s",
+            len(experts),
+            ", ".join(experts[:4]) + (" ..." if len(experts) > 4 else ""),
+        )
+    return model

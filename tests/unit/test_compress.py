@@ -1,0 +1,157 @@
+"""mtq.compress: real low-bit weights in memory (docs/compress.md). Every format round-trips (quantize ->
+compress -> the same outputs as the fake-quant model), the weights are really stored packed, W8A8 runs
+torchao's int8 GEMM, and bad input is refused."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import sys
+
+import pytest
+import torch
+
+import modelopt_lite.quantization as mtq
+from modelopt_lite.quantization.compress import W8A8_TOLERANCE, compressed_layers
+from modelopt_lite.quantization.packers import get_packer
+
+from ._export_cases import FORMATS, quantized
+from ._models import batches, tiny_gpt2, tiny_llama
+from ._training import CountingData, cpu_args
+
+pytest.importorskip("torchao", reason="mtq.compress needs the torchao extra")
+
+#: quant_algo -> the storage of the compressed layers' ``weight``: dtype, bits per element
+STORAGE = {algo: (get_packer(algo).weight_dtype, get_packer(algo).weight_bits) for algo in FORMATS.values()}
+
+
+def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits
+
+
+@pytest.fixture(scope="module")
+def compressed_models() -> dict[str, tuple[torch.nn.Module, torch.nn.Module]]:
+    """preset -> (fake-quant model, its compressed copy)."""
+    out = {}
+    for preset in FORMATS:
+        model = quantized("llama", preset)
+        out[preset] = (model, mtq.compress(copy.deepcopy(model)))
+    return out
+
+
+@pytest.mark.parametrize("preset", list(FORMATS))
+def test_compressed_outputs_equal_fake_quant(compressed_models, preset):
+    model, compressed = compressed_models[preset]
+    ids = batches(n=1, seed=7)[0]
+    ref, out = _logits(model, ids), _logits(compressed, ids)
+    if FORMATS[preset] == "W8A8_SQ_PER_CHANNEL":  # int8 GEMM, int32 accumulation: a stated tolerance
+        rtol, atol = W8A8_TOLERANCE
+        torch.testing.assert_close(out, ref, rtol=rtol, atol=atol)
+    else:  # dequantize on the fly: the fake quant's arithmetic, bit for bit
+        assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("preset", list(FORMATS))
+def test_weights_are_stored_packed(compressed_models, preset):
+    """No quantized layer keeps a full-precision weight: the storage dtype and bytes are the format's."""
+    model, compressed = compressed_models[preset]
+    layers = compressed_layers(compressed)
+    assert len(layers) == 14  # every linear map of the two decoder layers (lm_head is not quantized)
+    for name, algo in layers.items():
+        module = compressed.get_submodule(name)
+        dtype, bits = STORAGE[algo]
+        full = model.get_submodule(name).weight
+        assert "weight" not in dict(module.named_parameters(recurse=False)), name
+        assert module.weight.dtype == dtype
+        assert module.weight.numel() * module.weight.element_size() == full.numel() * bits // 8
+        packed = sum(
+            t.numel() * t.element_size() for n, t in module.named_buffers() if n.startswith("weight")
+        )
+        assert packed <= 1.5 * full.numel() * bits / 8  # the codes and, at these tiny sizes, the scales
+
+
+def test_w8a8_runs_torchao_int8_gemm(monkeypatch):
+    """W8A8 computes with torchao's Int8Tensor: torch._int_mm (int8 x int8 -> int32) runs once per layer."""
+    model = mtq.compress(quantized("llama", "INT8_SMOOTHQUANT_CFG"))
+    assert all(m.uses_kernel for m in model.modules() if hasattr(m, "quant_algo"))
+    calls = []
+    int_mm = torch._int_mm
+
+    def spy(a, b):
+        calls.append((a.dtype, b.dtype))
+        return int_mm(a, b)
+
+    monkeypatch.setattr(torch, "_int_mm", spy)
+    _logits(model, batches(n=1)[0])
+    assert len(calls) == 14
+    assert {b for _, b in calls} == {torch.int8}
+
+
+def test_conv1d_w8a8_falls_back_to_dequantize_and_one_info_line_per_format(lib_caplog):
+    """GPT-2's Conv1D has no kernel path: W8A8 dequantizes on the fly there (bit-exact), with one INFO line
+    for the format; a model with two formats gets two lines."""
+    model = mtq.quantize(tiny_gpt2(), mtq.INT8_SMOOTHQUANT_CFG, batches(n=1))
+    ref = _logits(model, batches(n=1, seed=3)[0])
+    with lib_caplog.at_level(logging.INFO, logger="modelopt_lite.quantization.compress"):
+        mtq.compress(model)
+    lines = [r.getMessage() for r in lib_caplog.records if "dequantize on the fly" in r.getMessage()]
+    assert len(lines) == 1
+    assert "W8A8_SQ_PER_CHANNEL" in lines[0]
+    assert torch.equal(_logits(model, batches(n=1, seed=3)[0]), ref)
+
+    lib_caplog.clear()
+    two = quantized("llama", "NVFP4_AWQ_LITE_CFG")  # AWQ leaves some layers plain NVFP4
+    with lib_caplog.at_level(logging.INFO, logger="modelopt_lite.quantization.compress"):
+        mtq.compress(two)
+    lines = [r.getMessage() for r in lib_caplog.records if "dequantize on the fly" in r.getMessage()]
+    assert sorted(line.split()[2] for line in lines) == sorted(set(compressed_layers(two).values()))
+
+
+def test_missing_torchao_names_the_extra(monkeypatch):
+    model = quantized("llama", "INT8_WEIGHT_ONLY_CFG")
+    monkeypatch.setitem(sys.modules, "torchao", None)  # `import torchao` raises ImportError
+    with pytest.raises(ImportError, match=r"pip install 'modelopt_lite\[torchao\]'"):
+        mtq.compress(model)
+    assert not compressed_layers(model)
+
+
+def test_compress_before_calibration_names_the_quantizers():
+    model = quantized("llama", "FP8_DEFAULT_CFG")
+    model.model.layers[1].mlp.down_proj.input_quantizer.amax = None
+    with pytest.raises(RuntimeError, match=r"layers\.1\.mlp\.down_proj\.input_quantizer \(no amax\)"):
+        mtq.compress(model)
+    assert not compressed_layers(model)  # nothing changed
+
+
+def test_bad_input_refused():
+    with pytest.raises(ValueError, match="no quantized linear layer"):
+        mtq.compress(tiny_llama())
+    with pytest.raises(mtq.UnsupportedFeatureError, match=r"call mtq\.compress"):
+        mtq.compress(quantized("llama", "FP8_DEFAULT_CFG"), config=mtq.FP8_DEFAULT_CFG)
+    model = mtq.compress(quantized("llama", "FP8_DEFAULT_CFG"))
+    with pytest.raises(mtq.UnsupportedFeatureError, match=r"before mtq\.compress"):
+        mtq.fold_weight(model)
+
+
+def test_dtype_cast_keeps_codes_and_scales():
+    model = mtq.compress(quantized("llama", "NVFP4_DEFAULT_CFG"))
+    layer = model.model.layers[0].mlp.up_proj
+    before = {n: b.clone() for n, b in layer.named_buffers(recurse=False)}
+    model.to(torch.bfloat16)
+    for name, buf in layer.named_buffers(recurse=False):
+        assert torch.equal(buf, before[name]), name
+    assert _logits(model, batches(n=1)[0]).dtype == torch.bfloat16
+    assert layer.quantized_weight().dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("trainer", ["QATTrainer", "QADTrainer"])
+def test_trainers_refuse_a_compressed_model(tmp_path, trainer):
+    from modelopt_lite import training
+
+    model = mtq.compress(quantized("llama", "INT8_WEIGHT_ONLY_CFG"))
+    kwargs = {"teacher_model": tiny_llama()} if trainer == "QADTrainer" else {}
+    with pytest.raises(ValueError, match="train before compressing"):
+        getattr(training, trainer)(
+            model=model, args=cpu_args(tmp_path), train_dataset=CountingData(), **kwargs
+        )

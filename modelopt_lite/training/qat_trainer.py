@@ -139,8 +139,8 @@ class QATTrainer(Trainer):
             name, algo = next(iter(compressed.items()))
             raise ValueError(
                 f"the model is compressed ({len(compressed)} layer(s) hold real {algo} weights, e.g. "
-                f"{name}): train before compressing (QAT / QAD on the fake-quantized model, then mtq.compress); "
-                "fine-tuning frozen compressed weights is not supported"
+                f"{name}): train before compressing (QAT / QAD on the fake-quantized model, then "
+                "mtq.compress); fine-tuning frozen compressed weights is not supported"
             )
         launched = int(os.environ.get("WORLD_SIZE", "1"))
         if launched > 1 and self.args.world_size == 1:

@@ -1,19 +1,19 @@
-"""Fused MoE experts: per-expert weight quantizers and per-projection input quantizers, applied on the
-``grouped_mm`` path and on ``eager`` through transformers' ``ExpertsInterface`` (no patching).
+"""Fused MoE experts: per-expert weight quantizers and per-projection input quantizers, applied on
+transformers' own ``grouped_mm`` and ``eager`` backends (no patching).
 
 transformers 5 stores the experts of most MoE models as 3-D parameters in a class decorated with
-``@use_experts_implementation``; its forward dispatches on ``config._experts_implementation``. We register two
-implementations under our own names:
+``@use_experts_implementation``; its forward dispatches on ``config._experts_implementation`` through the
+``ExpertsInterface``. The quantized class overrides that forward and dispatches itself on the same value:
 
-* ``modelopt_lite_grouped_mm`` calls transformers' ``grouped_mm_experts_forward`` on a view of the module
-  whose weights are the fake-quantized ones and whose gate applies ``down_proj_input_quantizer`` to its
-  output;
-* ``modelopt_lite_eager`` is a loop over the experts that received tokens (the reference computation).
+* ``grouped_mm`` calls transformers' ``grouped_mm_experts_forward`` on a view of the module whose weights are
+  the fake-quantized ones and whose gate applies ``down_proj_input_quantizer`` to its output;
+* ``eager`` is a loop over the experts that received tokens (the reference computation).
 
-Inserting quantizers switches the model to one of them (``grouped_mm`` unless the model or the caller chose
-``eager``). While weight quantizers only collect statistics, the stored weights are used as they are (no
-weight-sized copy). If the implementation is changed afterwards, an experts forward raises instead of
-bypassing its quantizers.
+The model keeps transformers' names, so ``model.set_experts_implementation("eager" | "grouped_mm")`` switches
+a quantized model like any other. Inserting quantizers moves a backend that would not run the quantizers
+(``batched_mm``, kernels from the hub) to ``grouped_mm`` with a WARNING; switching to one afterwards makes
+the next experts forward raise. While weight quantizers only collect statistics, the stored weights are used
+as they are (no weight-sized copy).
 """
 
 from __future__ import annotations
@@ -24,21 +24,36 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.integrations.moe import ExpertsInterface, grouped_mm_experts_forward
+from transformers.integrations.moe import grouped_mm_experts_forward
 
 from ..nn import QUANT_MODULES, QuantModule, TensorQuantizer
 from ..nn.quant_module import Quantizer
 
-__all__ = ["EXPERTS_IMPLEMENTATIONS", "QuantExperts", "experts_implementation_name", "is_seam_experts"]
+__all__ = [
+    "EXPERTS_IMPLEMENTATIONS",
+    "LEGACY_EXPERTS_IMPLEMENTATIONS",
+    "QuantExperts",
+    "experts_implementation_name",
+    "is_seam_experts",
+]
 
-EXPERTS_IMPLEMENTATIONS = {"grouped_mm": "modelopt_lite_grouped_mm", "eager": "modelopt_lite_eager"}
+#: transformers' experts backends on which the quantized experts apply their quantizers.
+EXPERTS_IMPLEMENTATIONS = ("grouped_mm", "eager")
+#: The private names earlier development versions set in ``config._experts_implementation``, and the
+#: standard backend each one means.
+LEGACY_EXPERTS_IMPLEMENTATIONS = {"modelopt_lite_grouped_mm": "grouped_mm", "modelopt_lite_eager": "eager"}
+
+
+def _standard(impl: str | None) -> str:
+    """``impl`` with an old private name mapped to its standard one; ``None`` (a standalone experts module,
+    which transformers runs eagerly) is ``eager``."""
+    return LEGACY_EXPERTS_IMPLEMENTATIONS.get(impl, impl or "eager")  # type: ignore[arg-type]
 
 
 def experts_implementation_name(choice: str | None) -> str:
-    """Our implementation for a transformers choice: ``eager`` stays eager, everything else runs grouped."""
-    if choice in EXPERTS_IMPLEMENTATIONS.values():
-        return choice  # type: ignore[return-value]
-    return EXPERTS_IMPLEMENTATIONS["eager" if choice == "eager" else "grouped_mm"]
+    """The backend quantizing a model whose experts run ``choice`` switches them to: ``eager`` stays eager,
+    everything else (``None``, ``batched_mm``, kernels from the hub) runs on ``grouped_mm``."""
+    return "eager" if choice is not None and _standard(choice) == "eager" else "grouped_mm"
 
 
 class _QuantizedView:
@@ -127,7 +142,8 @@ class QuantExperts(QuantModule):
 
     # ----------------------------------------------------------------------- coverage
     def reset_coverage(self) -> None:
-        self.tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.int64)
+        # on the CPU even when built under a meta-device context (from_pretrained): moved on first use
+        self.tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.int64, device="cpu")
         self.forward_calls = 0
 
     def _count(self, top_k_index: torch.Tensor) -> None:
@@ -141,15 +157,20 @@ class QuantExperts(QuantModule):
             self.tokens_per_expert.scatter_add_(0, ids.clamp(max=self.num_experts - 1), valid)
 
     # ----------------------------------------------------------------------- forward
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Dispatch on ``config._experts_implementation`` as transformers does, to the quantized version of
+        the named backend; a backend that would bypass the quantizers raises."""
         impl = getattr(self.config, "_experts_implementation", None)
-        if impl not in EXPERTS_IMPLEMENTATIONS.values():
+        run = _BACKENDS.get(_standard(impl))
+        if run is None:
             raise RuntimeError(
                 f"{type(self).__name__}: experts implementation is {impl!r}, which would bypass the "
                 "expert quantizers; use model.set_experts_implementation(name) with name in "
-                f"{sorted(EXPERTS_IMPLEMENTATIONS.values())}"
+                f"{list(EXPERTS_IMPLEMENTATIONS)}"
             )
-        return super().forward(*args, **kwargs)
+        return run(self, hidden_states, top_k_index, top_k_weights)
 
     def _gate(self, counts: list[int] | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
         """The gate (or activation) followed by ``down_proj_input_quantizer``; with ``counts`` (rows per
@@ -227,9 +248,7 @@ def _eager_forward(module: QuantExperts, hidden_states, top_k_index, top_k_weigh
     return out
 
 
-# Definition-time registration under our own names (never replacing a name transformers defines).
-ExpertsInterface.register(EXPERTS_IMPLEMENTATIONS["grouped_mm"], _grouped_forward)
-ExpertsInterface.register(EXPERTS_IMPLEMENTATIONS["eager"], _eager_forward)
+_BACKENDS = {"grouped_mm": _grouped_forward, "eager": _eager_forward}
 
 
 def is_seam_experts(cls: type[nn.Module]) -> bool:

@@ -18,6 +18,7 @@ from ..quantization.insertion import (
     name_quantizers,
     remove_quantizers,
     snapshot_implementations,
+    use_experts_implementation,
 )
 from ..quantization.model_quant import QuantState, set_quant_state
 
@@ -184,6 +185,7 @@ def _apply_state(model: nn.Module, state: dict[str, Any]) -> None:
             raise ValueError(f"cannot restore quantizers of {name!r}: no wrapper is registered for its class")
         QUANT_MODULES.convert(module)
     name_quantizers(model)
+    use_experts_implementation(model)  # the model's own backend (from_pretrained(experts_implementation=...))
     present = dict(iter_quantizers(model))
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     for qname, entry in state["quantizers"].items():

@@ -10,7 +10,13 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ..logging import get_logger
-from ..moe import QuantExperts, experts_implementation_name
+from ..moe import (
+    EXPERTS_IMPLEMENTATIONS,
+    LEGACY_EXPERTS_IMPLEMENTATIONS,
+    QuantExperts,
+    experts_implementation_name,
+    is_seam_experts,
+)
 from ..nn import QUANT_MODULES, QuantModule, SequentialQuantizer, TensorQuantizer, iter_quantizers
 from ..nn.kv_attention import QuantAttention, kv_attention_name
 from ..nn.quant_module import replaced_forward
@@ -89,30 +95,35 @@ def insert_quantizers(model: nn.Module, experts_implementation: str | None = Non
     name_quantizers(model)
     if any(isinstance(m, QuantAttention) for m in model.modules()):
         _use_kv_attention(model)
-    if any(isinstance(m, QuantExperts) for m in model.modules()):
-        use_experts_implementation(model, experts_implementation)
+    use_experts_implementation(model, experts_implementation)
     return converted
 
 
-def use_experts_implementation(model: nn.Module, choice: str | None = None) -> str:
-    """Switch the model's fused experts to our implementation for ``choice`` (default: the model's own
-    choice); other backends (``batched_mm``, hub kernels) move to ``grouped_mm`` with an INFO log."""
-    if choice not in (None, "eager", "grouped_mm"):
+def use_experts_implementation(model: nn.Module, choice: str | None = None) -> str | None:
+    """Run the model's quantized fused experts on transformers' backend ``choice`` (``"eager"`` or
+    ``"grouped_mm"``; default: the model's own choice). A backend the quantized experts cannot run
+    (``batched_mm``, kernels from the hub) moves to ``grouped_mm`` with a WARNING naming the change. Returns
+    the backend, or ``None`` when the model has no quantized fused experts."""
+    if choice not in (None, *EXPERTS_IMPLEMENTATIONS, *LEGACY_EXPERTS_IMPLEMENTATIONS):
         raise ValueError(f"experts_implementation={choice!r} (allowed: 'eager', 'grouped_mm', or None)")
-    config = getattr(model, "config", None)
+    experts = [m for m in model.modules() if isinstance(m, QuantExperts) and is_seam_experts(m.original_cls)]
+    if not experts:
+        return None
+    config = getattr(model, "config", experts[0].config)
     current = getattr(config, "_experts_implementation", None)
     target = experts_implementation_name(choice or current)
-    if choice is None and current not in (None, "eager", "grouped_mm", target):
-        logger.info("experts implementation %r has no quantized path: running experts on grouped_mm", current)
-    if target != current:
-        if hasattr(model, "set_experts_implementation"):
-            model.set_experts_implementation(target)
-        elif config is not None:
-            config._experts_implementation = target
-        else:
-            for module in model.modules():
-                if isinstance(module, QuantExperts):
-                    module.config._experts_implementation = target
+    if choice is None and current not in (None, target, *LEGACY_EXPERTS_IMPLEMENTATIONS):
+        logger.warning(
+            "experts implementation %r does not run the expert quantizers: switched to %r "
+            "(model.set_experts_implementation('eager') selects the other quantized backend)",
+            current,
+            target,
+        )
+    if target != current and hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation(target)
+    for module in experts:  # a model without set_experts_implementation, or a config it does not reach
+        if getattr(module.config, "_experts_implementation", None) != target:
+            module.config._experts_implementation = target
     return target
 
 

@@ -118,7 +118,7 @@ def test_disabled_quantizers_are_bit_identical(family, impl):
     ids = batches()[0]
     expected = reference(ids).logits
     mtq.quantize(model, mtq.NVFP4_DEFAULT_CFG, batches())
-    assert model.config._experts_implementation == f"modelopt_lite_{impl}"
+    assert model.config._experts_implementation == impl
     enabled = [q for _, q in mtq.iter_quantizers(model) if q.is_enabled]
     assert not torch.equal(model(ids).logits, expected)
     for q in enabled:
@@ -155,7 +155,7 @@ def test_eager_choice_is_an_all_eager_run():
     b = FAMILIES["qwen3_moe"](experts_implementation="eager")
     mtq.quantize(a, mtq.NVFP4_DEFAULT_CFG, batches(), experts_implementation="eager")
     mtq.quantize(b, mtq.NVFP4_DEFAULT_CFG, batches())
-    assert a.config._experts_implementation == b.config._experts_implementation == "modelopt_lite_eager"
+    assert a.config._experts_implementation == b.config._experts_implementation == "eager"
     for (na, qa), (nb, qb) in zip(mtq.iter_quantizers(a), mtq.iter_quantizers(b), strict=True):
         assert na == nb
         assert (qa.amax is None and qb.amax is None) or torch.equal(qa.amax, qb.amax)
@@ -166,7 +166,7 @@ def test_eager_choice_is_an_all_eager_run():
 def test_qat_gradients_reach_every_expert_through_grouped_mm():
     model = FAMILIES["qwen3_moe"]()
     mtq.quantize(model, mtq.NVFP4_DEFAULT_CFG, batches())
-    assert model.config._experts_implementation == "modelopt_lite_grouped_mm"
+    assert model.config._experts_implementation == "grouped_mm"
     model.train()
     ids = torch.randint(0, VOCAB, (4, 32), generator=torch.Generator().manual_seed(3))
     model(ids, labels=ids).loss.backward()
@@ -184,13 +184,6 @@ def test_switching_experts_implementation_afterwards_raises():
     model.set_experts_implementation("batched_mm")
     with pytest.raises(RuntimeError, match="bypass the expert quantizers"):
         model(batches()[0])
-
-
-def test_other_backends_move_to_grouped_mm(lib_caplog):
-    model = FAMILIES["qwen3_moe"](experts_implementation="batched_mm")
-    mtq.quantize(model, mtq.FP8_DEFAULT_CFG, batches())
-    assert model.config._experts_implementation == "modelopt_lite_grouped_mm"
-    assert any("batched_mm" in r.getMessage() for r in lib_caplog.records)
 
 
 def test_coverage_report_and_experts_without_tokens(lib_caplog):

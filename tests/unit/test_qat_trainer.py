@@ -266,6 +266,6 @@ def test_qat_on_fused_moe_experts(tmp_path):
     before = experts.gate_up_proj.detach().clone()
     trainer = QATTrainer(model=model, args=cpu_args(tmp_path), train_dataset=CountingData(), quant_args=quant)
     trainer.train()
-    assert model.config._experts_implementation == "modelopt_lite_grouped_mm"
+    assert model.config._experts_implementation == "grouped_mm"
     assert experts.gate_up_proj_weight_quantizers[0].amax is not None
     assert not torch.equal(experts.gate_up_proj, before)  # the experts were trained

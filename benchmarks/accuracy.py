@@ -136,6 +136,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--temperature", type=float, default=1.0, help="QAD softmax temperature")
     p.add_argument("--ce-weight", type=float, default=0.0, help="QAD cross-entropy weight (KL weight 1)")
+    p.add_argument(
+        "--distill-chunk-size",
+        type=int,
+        default=512,
+        help="tokens per chunk of the QAD loss (another value: the same objective, other rounding)",
+    )
     p.add_argument("--amax-lr-multiplier", type=float, default=1.0, help="lr of learnable amax (+la rows)")
     p.add_argument("--seeds", default="0", help="comma-separated Trainer seeds (the first runs every row)")
     p.add_argument(
@@ -187,6 +193,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{flag.replace('_', '-')} must be positive")
     if args.ce_weight < 0:
         p.error("--ce-weight must be >= 0")
+    if args.distill_chunk_size < 1:
+        p.error("--distill-chunk-size must be >= 1")
     if not args.seeds or any(b < 1 for b in args.budgets):
         p.error("--seeds needs at least one seed; --budgets must be positive")
     return args
@@ -320,7 +328,10 @@ def _train(
             trainer = QATTrainer(**common, quant_args=quant)
         else:
             distill = DistillationArguments(
-                temperature=args.temperature, kd_loss_weight=1.0, ce_loss_weight=args.ce_weight
+                temperature=args.temperature,
+                kd_loss_weight=1.0,
+                ce_loss_weight=args.ce_weight,
+                distill_chunk_size=args.distill_chunk_size,
             )
             trainer = QADTrainer(**common, quant_args=quant, distill_args=distill, teacher_model=teacher)
         return run_training(trainer)
@@ -605,6 +616,7 @@ def main(argv: list[str] | None = None) -> int:
         + " (warm-up 10%, "
         f"cosine), AdamW, QAD T={args.temperature:g}"
         + (f" CE weight {args.ce_weight:g}" if args.ce_weight else "")
+        + (f" loss chunk {args.distill_chunk_size}" if args.distill_chunk_size != 512 else "")
         + f", seeds {args.seeds}"
     )
     print(f"threads {args.threads}; every training row: {budget}" + (" [--quick]" if args.quick else ""))

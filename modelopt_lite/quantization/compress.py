@@ -112,9 +112,8 @@ class CompressedLinear(nn.Module):
     def _int8_weight(self, dtype: torch.dtype, ndim: int) -> torch.Tensor:
         """The int8 codes and scales as torchao's ``Int8Tensor`` with a static per-tensor activation scale
         (shares the buffers; built per call, for the input's dtype and rank)."""
-        from torchao.quantization import Int8Tensor
-        from torchao.quantization.granularity import PerTensor
-        from torchao.quantization.quantize_.workflows.int8.int8_tensor import QuantizeTensorToInt8Kwargs
+        from torchao.quantization import Int8Tensor, PerTensor
+        from torchao.quantization.quantize_.workflows import QuantizeTensorToInt8Kwargs
 
         iq = self.input_quantizer
         act_scale = (iq.amax.float() / 127.0).reshape([1] * ndim)

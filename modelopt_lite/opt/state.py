@@ -12,6 +12,7 @@ from .._version import __version__
 from ..nn import QUANT_MODULES, QuantModule, SequentialQuantizer, TensorQuantizer, iter_quantizers
 from ..nn.quant_linear import LOWRANK_BUFFERS, lowrank_factors, set_lowrank_factors
 from ..quantization import QuantizeConfig, quant_state, quantizer_attributes
+from ..quantization.compress import CompressedLinear, compressed_state, restore_compressed
 from ..quantization.config import plain
 from ..quantization.insertion import (
     Provenance,
@@ -48,9 +49,10 @@ def modelopt_state(model: nn.Module) -> dict[str, Any]:
     for name, module in model.named_modules():
         if isinstance(module, QuantModule):
             weight = getattr(module, "weight", None)
+            shape = list(weight.shape) if isinstance(weight, torch.Tensor) else None
             modules[name] = {
                 "class": _class_name(module.original_cls),
-                "weight_shape": list(weight.shape) if isinstance(weight, torch.Tensor) else None,
+                "weight_shape": module.parameter_shape() if isinstance(module, CompressedLinear) else shape,
             }
     if not modules:
         raise ValueError(f"{type(model).__name__} is not quantized: no quantizer state to capture")
@@ -70,6 +72,7 @@ def modelopt_state(model: nn.Module) -> dict[str, Any]:
         "attn_implementation": getattr(config, "_attn_implementation", None),
         "modules": modules,
         "quantizers": quantizers,
+        **({"compressed": compressed} if (compressed := compressed_state(model)) else {}),
     }
 
 
@@ -207,6 +210,7 @@ def _apply_state(model: nn.Module, state: dict[str, Any]) -> None:
     config = getattr(model, "config", None)
     if impl and config is not None and getattr(config, "_attn_implementation", None) != impl:
         model.set_attn_implementation(impl) if hasattr(model, "set_attn_implementation") else None
+    restore_compressed(model, state.get("compressed", {}))
     if state.get("quant_config") is not None:
         provenance = Provenance({k: [tuple(s) for s in v] for k, v in state.get("provenance", {}).items()})
         set_quant_state(model, QuantState(QuantizeConfig.from_dict(state["quant_config"]), provenance))

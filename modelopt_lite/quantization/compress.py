@@ -37,7 +37,15 @@ from ..nn.errors import UnsupportedFeatureError
 from .calibrate import check_calibrated
 from .packers import Packer, UnsupportedFormatError, detect_format, get_packer
 
-__all__ = ["W8A8_TOLERANCE", "compress", "compressed_layers", "is_compressed", "require_torchao"]
+__all__ = [
+    "W8A8_TOLERANCE",
+    "compress",
+    "compressed_layers",
+    "compressed_state",
+    "is_compressed",
+    "require_torchao",
+    "restore_compressed",
+]
 
 logger = get_logger(__name__)
 
@@ -82,6 +90,10 @@ class CompressedLinear(nn.Module):
 
     def quantized_weight(self) -> torch.Tensor:
         return self._from_view(self._weight_view())
+
+    def parameter_shape(self) -> list[int]:
+        """The shape of the full-precision ``weight`` parameter the layer had (Conv1D: ``(in, out)``)."""
+        return list(self._from_view(torch.empty(self._weight_shape, device="meta")).shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.uses_kernel:
@@ -156,11 +168,10 @@ def _kernel_fits(module: QuantLinear, algo: str) -> bool:
     )
 
 
-@torch.no_grad()
-def _compress_layer(module: QuantLinear, algo: str, kernel: bool) -> None:
-    weight = module._weight_view()
-    tensors = get_packer(algo).pack(weight.detach(), module.weight_quantizer)
-    dtype, shape = weight.dtype, weight.shape
+def _convert(
+    module: QuantLinear, algo: str, tensors: dict[str, torch.Tensor], dtype: torch.dtype, shape: torch.Size
+) -> None:
+    kernel = _kernel_fits(module, algo)
     del module.weight  # the full-precision parameter goes; the codes take its name
     module.__class__ = _compressed_class(type(module))
     module.quant_algo = algo
@@ -168,6 +179,55 @@ def _compress_layer(module: QuantLinear, algo: str, kernel: bool) -> None:
     for name, tensor in tensors.items():
         module.register_buffer(name, tensor.contiguous())
     module.uses_kernel = kernel
+
+
+@torch.no_grad()
+def _compress_layer(module: QuantLinear, algo: str) -> None:
+    weight = module._weight_view()
+    tensors = get_packer(algo).pack(weight.detach(), module.weight_quantizer)
+    _convert(module, algo, tensors, weight.dtype, weight.shape)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def compressed_state(model: nn.Module) -> dict[str, Any]:
+    """JSON description of the compressed layers (format, packed tensor shapes and dtypes, compute dtype),
+    from which :func:`restore_compressed` re-creates them empty for a checkpoint loader to fill."""
+    return {
+        name: {
+            "quant_algo": m.quant_algo,
+            "weight_dtype": _dtype_name(m._weight_dtype),
+            "weight_shape": list(m._weight_shape),
+            "tensors": {n: [list(t.shape), _dtype_name(t.dtype)] for n, t in m._packed().items()},
+        }
+        for name, m in model.named_modules()
+        if isinstance(m, CompressedLinear)
+    }
+
+
+def restore_compressed(model: nn.Module, state: dict[str, Any]) -> None:
+    """Turn the quantized layers named in ``state`` (from :func:`compressed_state`) into compressed layers
+    with empty packed tensors (load the checkpoint's tensors into them afterwards)."""
+    if state:
+        require_torchao()
+    for name, entry in state.items():
+        module = model.get_submodule(name)
+        if not isinstance(module, QuantLinear):
+            raise ValueError(f"cannot restore the compressed layer {name!r}: it is not a quantized linear")
+        device = module.weight.device
+        tensors = {
+            n: torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+            for n, (shape, dtype) in entry["tensors"].items()
+        }
+        _convert(
+            module,
+            entry["quant_algo"],
+            tensors,
+            getattr(torch, entry["weight_dtype"]),
+            torch.Size(entry["weight_shape"]),
+        )
 
 
 def compress(model: nn.Module, config: Any = None) -> nn.Module:
@@ -202,9 +262,9 @@ def compress(model: nn.Module, config: Any = None) -> nn.Module:
             f"mtq.compress: {type(model).__name__} has no quantized linear layer to compress; quantize it "
             "first (mtq.quantize(model, config, forward_loop), or train it with QATTrainer)"
         )
-    kernels = {name: _kernel_fits(module, algo) for name, module, algo in plan}
-    for name, module, algo in plan:
-        _compress_layer(module, algo, kernels[name])
+    for _, module, algo in plan:
+        _compress_layer(module, algo)
+    kernels = {name: module.uses_kernel for name, module, _ in plan}
     for algo, count in sorted(Counter(a for n, _, a in plan if not kernels[n]).items()):
         logger.info(
             "mtq.compress: %d %s layer(s) dequantize on the fly (no torchao kernel runs them here; their "

@@ -155,3 +155,23 @@ def test_trainers_refuse_a_compressed_model(tmp_path, trainer):
         getattr(training, trainer)(
             model=model, args=cpu_args(tmp_path), train_dataset=CountingData(), **kwargs
         )
+
+
+@pytest.mark.parametrize("preset", ["INT8_SMOOTHQUANT_CFG", "NVFP4_DEFAULT_CFG", "INT4_AWQ_CFG"])
+def test_mto_save_restore_keeps_weights_packed(tmp_path, preset):
+    """mto.save writes the packed tensors (safetensors, no pickle); mto.restore onto a fresh model re-creates
+    the compressed layers and gives the same outputs."""
+    from safetensors import safe_open
+
+    import modelopt_lite.opt as mto
+
+    model = mtq.compress(quantized("llama", preset))
+    path = mto.save(model, tmp_path / "compressed.safetensors")
+    name = "model.layers.0.mlp.down_proj"
+    with safe_open(str(path), "pt") as f:
+        assert f.get_tensor(f"{name}.weight").dtype == model.get_submodule(name).weight.dtype
+    restored = mto.restore(tiny_llama(seed=1), path)
+    assert compressed_layers(restored) == compressed_layers(model)
+    assert "weight" not in dict(restored.get_submodule(name).named_parameters(recurse=False))
+    ids = batches(n=1, seed=9)[0]
+    assert torch.equal(_logits(restored, ids), _logits(model, ids))

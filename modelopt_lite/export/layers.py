@@ -97,10 +97,10 @@ def kv_cache_format(name: str, module: nn.Module) -> str | None:
 def _experts_specs(name: str, module: QuantExperts) -> Iterator[tuple]:
     """``(hub name, split, quant_algo, proj, expert, weight quantizer, input quantizer)`` per expert
     projection; reads no weight."""
-    if module.is_transposed:
+    if module.has_gate and not getattr(module, "is_concatenated", True):
         raise UnsupportedFormatError(
-            f"{name}: {type(module).__name__} stores experts as (in, out); the export writes per-expert hub "
-            "names for (out, in) experts (Qwen3-MoE / Mixtral style) only"
+            f"{name}: {type(module).__name__} interleaves the gate and up rows of gate_up_proj; the unified "
+            "export writes experts whose gate_up_proj is [gate; up] (Qwen3-MoE, Mixtral, Llama 4) only"
         )
     first, down = module._projections
     halves = ("gate_proj", "up_proj") if module.has_gate else None

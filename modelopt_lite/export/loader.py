@@ -20,7 +20,14 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
-from transformers.core_model_loading import ConversionOps
+from transformers.core_model_loading import (
+    Concatenate,
+    ConversionOps,
+    MergeModulelist,
+    Transpose,
+    WeightConverter,
+)
+from transformers.models.llama4.modeling_llama4 import Llama4TextExperts
 from transformers.quantizers.auto import (
     AUTO_QUANTIZATION_CONFIG_MAPPING,
     AUTO_QUANTIZER_MAPPING,
@@ -162,6 +169,25 @@ class ModeloptDequantize(ConversionOps):
         return param.dtype
 
 
+def _llama4_experts_conversions() -> list[WeightConverter]:
+    """Llama 4's text experts are written per expert, ``(out, in)`` as every other linear map; the model
+    stores them fused and transposed: ``gate_up_proj`` ``(experts, hidden, 2 * inter)`` = [gate; up],
+    ``down_proj`` ``(experts, inter, hidden)``. transformers has no such conversion for Llama 4."""
+    experts = "feed_forward.experts"
+    return [
+        WeightConverter(
+            source_patterns=[f"{experts}.*.gate_proj.weight", f"{experts}.*.up_proj.weight"],
+            target_patterns=f"{experts}.gate_up_proj",
+            operations=[MergeModulelist(dim=0), Concatenate(dim=1), Transpose(1, 2)],
+        ),
+        WeightConverter(
+            source_patterns=f"{experts}.*.down_proj.weight",
+            target_patterns=f"{experts}.down_proj",
+            operations=[MergeModulelist(dim=0), Transpose(1, 2)],
+        ),
+    ]
+
+
 class ModeloptExportQuantizer(HfQuantizer):
     """Dequantizes an exported checkpoint while transformers loads it (no quantized compute)."""
 
@@ -171,6 +197,12 @@ class ModeloptExportQuantizer(HfQuantizer):
 
     def get_load_operations(self) -> dict:
         return {"dequantize": ModeloptDequantize}
+
+    def update_weight_conversions(self, weight_conversions: list, model: nn.Module) -> list:
+        """The model's conversions, plus the merge of per-expert Llama 4 experts (dequantized first)."""
+        if any(isinstance(m, Llama4TextExperts) for m in model.modules()):
+            weight_conversions = [*weight_conversions, *_llama4_experts_conversions()]
+        return super().update_weight_conversions(weight_conversions, model)
 
     def _process_model_before_weight_loading(self, model: nn.Module, **kwargs: Any) -> None:
         unknown = self.quantization_config.algorithms() - set(PACKERS)

@@ -65,6 +65,29 @@ def tiny_qwen3_moe(seed: int = 0, attn: str = "sdpa"):
     return Qwen3MoeForCausalLM(cfg).eval()
 
 
+def tiny_llama4(seed: int = 0):
+    """Llama 4 text model: every layer MoE (4 transposed experts, top-1, a shared expert)."""
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    torch.manual_seed(seed)
+    cfg = Llama4TextConfig(
+        hidden_size=64,
+        intermediate_size=32,
+        intermediate_size_mlp=128,
+        head_dim=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        interleave_moe_layer_step=1,
+        attn_implementation="sdpa",
+    )
+    return Llama4ForCausalLM(cfg).eval()
+
+
 def tiny_gpt2(seed: int = 0, attn: str = "sdpa"):
     torch.manual_seed(seed)
     cfg = GPT2Config(

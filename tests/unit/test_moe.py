@@ -16,7 +16,7 @@ from transformers import (
 import modelopt_lite.quantization as mtq
 from modelopt_lite.moe import QuantExperts, coverage_report
 
-from ._models import VOCAB, batches, tiny_qwen3_moe
+from ._models import VOCAB, batches, tiny_llama4, tiny_qwen3_moe
 
 COMMON = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
 COMMON |= {"vocab_size": VOCAB, "max_position_embeddings": 64}
@@ -256,28 +256,9 @@ def test_input_observer_sees_each_experts_rows_on_both_paths(family):
 
 
 def test_llama4_text_experts_have_an_explicit_wrapper(lib_caplog):
-    from transformers import Llama4ForCausalLM, Llama4TextConfig
-
     from modelopt_lite.moe import QuantLlama4TextExperts
 
-    def build():
-        torch.manual_seed(0)
-        sizes = {"hidden_size": 64, "intermediate_size": 32, "intermediate_size_mlp": 128, "head_dim": 16}
-        cfg = Llama4TextConfig(
-            **sizes,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            num_local_experts=4,
-            num_experts_per_tok=1,
-            vocab_size=VOCAB,
-            max_position_embeddings=64,
-            interleave_moe_layer_step=1,
-            attn_implementation="sdpa",
-        )
-        return Llama4ForCausalLM(cfg).eval()
-
-    model, reference = build(), build()
+    model, reference = tiny_llama4(), tiny_llama4()
     ids = batches()[0]
     mtq.quantize(model, mtq.NVFP4_DEFAULT_CFG, batches())
     experts = model.model.layers[0].feed_forward.experts

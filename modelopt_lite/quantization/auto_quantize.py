@@ -36,7 +36,8 @@ import fnmatch
 import itertools
 import math
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -382,12 +383,8 @@ def _gradient_scores(
         out.register_hook(on_grad)
 
     handles = [m.register_forward_hook(hook, with_kwargs=True) for m in at]
-    params = _activation_grad_params(model)
-    saved = {p: p.requires_grad for p in model.parameters()}
     try:
-        for p in model.parameters():
-            p.requires_grad_(p in params)
-        with torch.enable_grad():
+        with _activation_grads(model) as params:
             for batch in batches:
                 step(model, batch)
                 for p in params:
@@ -401,20 +398,31 @@ def _gradient_scores(
     finally:
         for h in handles:
             h.remove()
-        for p, flag in saved.items():
-            p.requires_grad_(flag)
     return scores
 
 
-def _activation_grad_params(model: nn.Module) -> set[nn.Parameter]:
-    """The parameters that need ``requires_grad`` for activation gradients to flow: the input embeddings
-    (the reference's choice for LLMs; no other weight gradient is computed), else all."""
+@contextmanager
+def _activation_grads(model: nn.Module) -> Iterator[set[nn.Parameter]]:
+    """Gradients on, ``requires_grad`` only on the parameters that make activation gradients flow: the input
+    embeddings (the reference's choice for LLMs; no other weight gradient is computed), else all floating
+    ones. Yields them; every flag restored on exit."""
     get = getattr(model, "get_input_embeddings", None)
     embeddings = get() if callable(get) else None
     weight = getattr(embeddings, "weight", None)
-    if isinstance(weight, nn.Parameter) and weight.is_floating_point():
-        return {weight}
-    return {p for p in model.parameters() if p.is_floating_point()}
+    params = (
+        {weight}
+        if isinstance(weight, nn.Parameter) and weight.is_floating_point()
+        else {p for p in model.parameters() if p.is_floating_point()}
+    )
+    saved = {p: p.requires_grad for p in model.parameters()}
+    try:
+        for p in model.parameters():
+            p.requires_grad_(p in params)
+        with torch.enable_grad():
+            yield params
+    finally:
+        for p, flag in saved.items():
+            p.requires_grad_(flag)
 
 
 @torch.no_grad()
@@ -486,16 +494,8 @@ def _check_inputs(
 
 def _probe_loss(model: nn.Module, forward_step: Callable, loss_func: Callable, batch: Any) -> None:
     """One forward on the first batch: the loss must be a scalar with a gradient."""
-    params = _activation_grad_params(model)
-    saved = {p: p.requires_grad for p in params}
-    try:
-        for p in params:
-            p.requires_grad_(True)
-        with torch.enable_grad():
-            loss = loss_func(forward_step(model, batch), batch)
-    finally:
-        for p, flag in saved.items():
-            p.requires_grad_(flag)
+    with _activation_grads(model):
+        loss = loss_func(forward_step(model, batch), batch)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         shape = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise ValueError(
@@ -647,6 +647,7 @@ def _search(
         _install(unit, bank[unit.name][NONE])
 
     batches = list(itertools.islice(data_loader, num_score_steps))
+    training = [(m, m.training) for m in model.modules()]
     model.eval()
     logger.info("auto_quantize: scoring %d group(s) x %d format(s) on %d batch(es) (%s)",
                 sum(not g.disabled for g in groups), len(formats) - 1, len(batches), method)  # fmt: skip
@@ -655,6 +656,8 @@ def _search(
         raw = _gradient_scores(model, groups, bank, step, batches)
     else:
         raw = _kl_scores(model, groups, bank, forward_step, batches)
+    for module, mode in training:
+        module.training = mode
 
     stats: dict[str, dict[str, Any]] = {}
     for g, group in enumerate(groups):

@@ -59,8 +59,8 @@ def insert_quantizers(model: nn.Module, experts_implementation: str | None = Non
         if type(module) in QUANT_MODULES:
             QUANT_MODULES.convert(module)
             converted.append(name)
-            if (what := replaced_forward(module)) is not None:
-                replaced[name] = f"forward replaced by {what}"
+            if (what := replaced_forward(module)) is not None and not isinstance(module, QuantExperts):
+                replaced[name] = f"forward replaced by {what}"  # experts: disable_bypassed_experts
         elif (base := QUANT_MODULES.shadowed_subclasses(type(module))) is not None and not _excluded(name):
             shadowed[name] = f"{type(module).__qualname__} (overrides {base.__name__}.forward)"
     unwrapped_experts = [
@@ -125,6 +125,33 @@ def use_experts_implementation(model: nn.Module, choice: str | None = None) -> s
         if getattr(module.config, "_experts_implementation", None) != target:
             module.config._experts_implementation = target
     return target
+
+
+def disable_bypassed_experts(model: nn.Module) -> list[str]:
+    """Disable the quantizers of fused experts whose forward is replaced on the instance (a kernel, a
+    wrapper set before quantizing): it would never run them. Logs an ERROR naming the module, its class and
+    the disabled quantizers, so that the rest of the model quantizes; returns the modules' names."""
+    bypassed = []
+    for name, module in model.named_modules():
+        if not isinstance(module, QuantExperts) or (what := replaced_forward(module)) is None:
+            continue
+        counts: dict[str, int] = {}
+        for qname, q in iter_quantizers(module):
+            if q.is_enabled:
+                set_enabled(q, False)
+                counts[match_name(qname)] = counts.get(match_name(qname), 0) + 1
+        if counts:
+            bypassed.append(name)
+            logger.error(
+                "%s (%s): its forward is replaced on the instance by %s, which cannot run the expert "
+                "quantizers; disabled %s so that the rest of the model quantizes. Quantize before replacing "
+                "the forward (or remove it) to quantize these experts",
+                name,
+                module.original_cls.__qualname__,
+                what,
+                ", ".join(f"{q} x{n}" if n > 1 else q for q, n in counts.items()),
+            )
+    return bypassed
 
 
 def _holds_expert_weights(module: nn.Module) -> bool:

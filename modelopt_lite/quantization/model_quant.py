@@ -20,6 +20,7 @@ from .insertion import (
     STATE_ATTR,
     Provenance,
     apply_config,
+    disable_bypassed_experts,
     insert_quantizers,
     match_name,
     remove_quantizers,
@@ -152,8 +153,9 @@ def _insert_and_calibrate(
 ) -> None:
     converted = insert_quantizers(model, experts_implementation)
     provenance = apply_config(model, cfg)
+    bypassed = disable_bypassed_experts(model)  # logged as an ERROR naming them
     set_quant_state(model, QuantState(cfg, provenance))
-    idle = unquantized_experts(model)
+    idle = [name for name in unquantized_experts(model) if name not in bypassed]
     if idle and any(q.is_enabled for _, q in iter_quantizers(model)):
         logger.warning(
             "the config enables quantizers but none of %d fused experts module(s) (%s); their "

@@ -150,3 +150,19 @@ def test_old_private_names_mean_the_standard_backends(legacy, standard):
     other = tiny_qwen3_moe()
     mtq.quantize(other, mtq.NVFP4_DEFAULT_CFG, batches(), experts_implementation=legacy)
     assert other.config._experts_implementation == standard
+
+
+def test_experts_with_a_forward_we_cannot_intercept_are_disabled_with_an_error(lib_caplog):
+    model = tiny_qwen3_moe()
+    experts = model.model.layers[0].mlp.experts
+    original = experts.forward
+    experts.forward = lambda *a, **k: original(*a, **k)  # set before quantizing, e.g. by a kernel library
+    mtq.quantize(model, mtq.NVFP4_DEFAULT_CFG, batches())
+    errors = [r.getMessage() for r in lib_caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1, errors
+    assert "model.layers.0.mlp.experts (Qwen3MoeExperts)" in errors[0]
+    assert "disabled gate_up_proj_input_quantizer, gate_up_proj_weight_quantizer x4," in errors[0]
+    assert len(_warnings(lib_caplog)) == 0
+    assert not any(q.is_enabled for _, q in mtq.iter_quantizers(experts))
+    assert all(q.is_enabled for _, q in mtq.iter_quantizers(model.model.layers[1].mlp.experts))
+    assert any(q.is_enabled for n, q in mtq.iter_quantizers(model) if "self_attn" in n)  # the rest quantized

@@ -42,6 +42,7 @@ __all__ = [
     "compress",
     "compressed_layers",
     "compressed_state",
+    "fast_int8_gemm",
     "is_compressed",
     "require_torchao",
     "restore_compressed",
@@ -156,22 +157,39 @@ def compressed_layers(model: nn.Module) -> dict[str, str]:
     return {n: m.quant_algo for n, m in model.named_modules() if isinstance(m, CompressedLinear)}
 
 
-def _kernel_fits(module: QuantLinear, algo: str) -> bool:
+def fast_int8_gemm(device: torch.device) -> bool:
+    """Whether ``torch._int_mm`` (torchao's int8 GEMM) is fast on ``device``: CUDA, or a CPU with
+    AVX512-VNNI or AMX (on others, AVX2 only, it is several times slower than an fp32 GEMM)."""
+    if device.type == "cuda":
+        return True
+    from torchao.utils import _cpu_is_amx_tile_supported, _cpu_is_vnni_supported
+
+    return device.type == "cpu" and (_cpu_is_vnni_supported() or _cpu_is_amx_tile_supported())
+
+
+def _kernel_fits(module: QuantLinear, algo: str, int8_gemm: bool | None) -> bool:
     """Whether the torchao kernel computes this layer: W8A8 on a plain linear (not Conv1D, no low-rank
-    branch), an input quantizer without rotation or bias (torchao quantizes the activation itself)."""
+    branch), an input quantizer without rotation or bias (torchao quantizes the activation itself), and
+    ``int8_gemm`` (``None``: :func:`fast_int8_gemm` on the weight's device)."""
     iq = module.input_quantizer
-    return (
+    fits = (
         algo in KERNELS
         and type(module).forward is QuantLinear.forward
         and iq.attributes.rotation() is None
         and iq.bias_calibrator is None
     )
+    return fits and (fast_int8_gemm(module.weight.device) if int8_gemm is None else int8_gemm)
 
 
 def _convert(
-    module: QuantLinear, algo: str, tensors: dict[str, torch.Tensor], dtype: torch.dtype, shape: torch.Size
+    module: QuantLinear,
+    algo: str,
+    tensors: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    shape: torch.Size,
+    int8_gemm: bool | None = None,
 ) -> None:
-    kernel = _kernel_fits(module, algo)
+    kernel = _kernel_fits(module, algo, int8_gemm)
     del module.weight  # the full-precision parameter goes; the codes take its name
     module.__class__ = _compressed_class(type(module))
     module.quant_algo = algo
@@ -182,10 +200,10 @@ def _convert(
 
 
 @torch.no_grad()
-def _compress_layer(module: QuantLinear, algo: str) -> None:
+def _compress_layer(module: QuantLinear, algo: str, int8_gemm: bool | None) -> None:
     weight = module._weight_view()
     tensors = get_packer(algo).pack(weight.detach(), module.weight_quantizer)
-    _convert(module, algo, tensors, weight.dtype, weight.shape)
+    _convert(module, algo, tensors, weight.dtype, weight.shape, int8_gemm)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -230,13 +248,14 @@ def restore_compressed(model: nn.Module, state: dict[str, Any]) -> None:
         )
 
 
-def compress(model: nn.Module, config: Any = None) -> nn.Module:
+def compress(model: nn.Module, config: Any = None, *, int8_gemm: bool | None = None) -> nn.Module:
     """Store the weight of every quantized linear layer of a calibrated model in its real format, in place;
-    returns ``model``. Formats: those of the export (``mtq.export.detect_format``): INT8 per channel (W8A8,
-    W8A16), INT4 block (W4A16_AWQ, W4A8_AWQ), FP8, NVFP4, MXFP8. ``config`` (the reference's argument)
-    must be ``None``. Layers already compressed are left as they are; fused MoE experts stay fake-quantized
-    (a warning names them). Raises when a quantizer is not calibrated or a layer's quantization has no real
-    format, before changing anything."""
+    returns ``model``. Formats: those of the export (:func:`.packers.detect_format`): INT8 per channel
+    (W8A8, W8A16), INT4 block (W4A16_AWQ, W4A8_AWQ), FP8, NVFP4, MXFP8. ``config`` (the reference's
+    argument) must be ``None``. ``int8_gemm``: whether W8A8 layers run torchao's int8 GEMM (``None``: where
+    it is fast, :func:`fast_int8_gemm`; ``False``: they dequantize on the fly, bit-exact). Layers already
+    compressed are left as they are; fused MoE experts stay fake-quantized (a warning names them). Raises
+    when a quantizer is not calibrated or a layer has no real format, before changing anything."""
     if config is not None:
         raise UnsupportedFeatureError(
             f"mtq.compress(config={config!r}): the format of each layer is the one it was quantized with; "
@@ -256,6 +275,10 @@ def compress(model: nn.Module, config: Any = None) -> nn.Module:
             )
         algo = detect_format(name, module.weight_quantizer, module.input_quantizer)
         if algo is not None:
+            try:
+                get_packer(algo).check_shape(module._weight_view().shape)
+            except ValueError as err:
+                raise UnsupportedFormatError(f"{name}: {err}; exclude the layer from quantization") from None
             plan.append((name, module, algo))
     if not plan and not any(isinstance(m, CompressedLinear) for m in model.modules()):
         raise ValueError(
@@ -263,14 +286,18 @@ def compress(model: nn.Module, config: Any = None) -> nn.Module:
             "first (mtq.quantize(model, config, forward_loop), or train it with QATTrainer)"
         )
     for _, module, algo in plan:
-        _compress_layer(module, algo)
+        _compress_layer(module, algo, int8_gemm)
     kernels = {name: module.uses_kernel for name, module, _ in plan}
     for algo, count in sorted(Counter(a for n, _, a in plan if not kernels[n]).items()):
+        why = "no torchao kernel runs them here"
+        if algo in KERNELS and int8_gemm is None and not fast_int8_gemm(next(iter(model.buffers())).device):
+            why = "torch._int_mm is slow on a CPU without AVX512-VNNI / AMX; int8_gemm=True forces it"
         logger.info(
-            "mtq.compress: %d %s layer(s) dequantize on the fly (no torchao kernel runs them here; their "
-            "outputs equal the fake-quant model's)",
+            "mtq.compress: %d %s layer(s) dequantize on the fly (%s; their outputs equal the fake-quant "
+            "model's)",
             count,
             algo,
+            why,
         )
     for algo, count in sorted(Counter(a for n, _, a in plan if kernels[n]).items()):
         logger.info("mtq.compress: %d %s layer(s) run %s", count, algo, KERNELS[algo])

@@ -111,6 +111,9 @@ class Packer:
     def group_size(self, quantizer: Quantizer) -> int | None:
         return None
 
+    def check_shape(self, shape: torch.Size | tuple[int, ...]) -> None:
+        """Raise ``ValueError`` when a weight ``(out, in)`` of this shape cannot be packed."""
+
     #: whether :meth:`dequantize` returns the fake-quantized weight bit for bit (otherwise within one ulp)
     exact_dequantize: ClassVar[bool] = False
 
@@ -166,8 +169,6 @@ class Int8Packer(Packer):
 
 def _pack_int4_rows(codes: torch.Tensor) -> torch.Tensor:
     """Two output rows per byte, the even row in the low nibble: ``(out / 2, in)`` uint8."""
-    if codes.shape[0] % 2:
-        raise ValueError(f"INT4 export packs two output rows per byte; {codes.shape[0]} rows is odd")
     return ((codes[0::2] & 0x0F) | ((codes[1::2] & 0x0F) << 4)).to(torch.uint8)
 
 
@@ -191,7 +192,12 @@ class Int4BlockPacker(Packer):
     def group_size(self, quantizer: Quantizer) -> int | None:
         return self._block(quantizer)
 
+    def check_shape(self, shape: torch.Size | tuple[int, ...]) -> None:
+        if shape[0] % 2:
+            raise ValueError(f"INT4 packs two output rows per byte; {shape[0]} rows is odd")
+
     def pack(self, weight: torch.Tensor, quantizer: Quantizer) -> Tensors:
+        self.check_shape(weight.shape)
         q = _stage(quantizer, 0)
         block = self._block(quantizer)
         layout = BlockLayout.build(weight.shape, {-1: block})
@@ -232,12 +238,13 @@ class _FixedBlockPacker(Packer):
     def group_size(self, quantizer: Quantizer) -> int | None:
         return self.block
 
+    def check_shape(self, shape: torch.Size | tuple[int, ...]) -> None:
+        if shape[-1] % self.block:
+            raise ValueError(f"{self.name} needs in_features divisible by {self.block}, got {shape[-1]}")
+
     def _blocks(self, weight: torch.Tensor) -> torch.Tensor:
         """``weight`` as float32 ``(num_blocks, block)`` rows."""
-        if weight.shape[-1] % self.block:
-            raise ValueError(
-                f"{self.name} export needs in_features divisible by {self.block}, got {weight.shape[-1]}"
-            )
+        self.check_shape(weight.shape)
         return weight.float().reshape(-1, self.block)
 
 

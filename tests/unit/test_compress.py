@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import modelopt_lite.quantization as mtq
-from modelopt_lite.quantization.compress import W8A8_TOLERANCE, compressed_layers
-from modelopt_lite.quantization.packers import get_packer
+from modelopt_lite.quantization.compress import W8A8_TOLERANCE, compressed_layers, fast_int8_gemm
+from modelopt_lite.quantization.packers import UnsupportedFormatError, get_packer
 
 from ._export_cases import FORMATS, quantized
 from ._models import batches, tiny_gpt2, tiny_llama
@@ -36,7 +36,7 @@ def compressed_models() -> dict[str, tuple[torch.nn.Module, torch.nn.Module]]:
     out = {}
     for preset in FORMATS:
         model = quantized("llama", preset)
-        out[preset] = (model, mtq.compress(copy.deepcopy(model)))
+        out[preset] = (model, mtq.compress(copy.deepcopy(model), int8_gemm=True))
     return out
 
 
@@ -72,8 +72,9 @@ def test_weights_are_stored_packed(compressed_models, preset):
 
 
 def test_w8a8_runs_torchao_int8_gemm(monkeypatch):
-    """W8A8 computes with torchao's Int8Tensor: torch._int_mm (int8 x int8 -> int32) runs once per layer."""
-    model = mtq.compress(quantized("llama", "INT8_SMOOTHQUANT_CFG"))
+    """W8A8 computes with torchao's Int8Tensor: torch._int_mm (int8 x int8 -> int32) runs once per layer
+    (``int8_gemm=True``: by default only where it is fast, a CPU with AVX512-VNNI / AMX, or CUDA)."""
+    model = mtq.compress(quantized("llama", "INT8_SMOOTHQUANT_CFG"), int8_gemm=True)
     assert all(m.uses_kernel for m in model.modules() if hasattr(m, "quant_algo"))
     calls = []
     int_mm = torch._int_mm
@@ -88,13 +89,25 @@ def test_w8a8_runs_torchao_int8_gemm(monkeypatch):
     assert {b for _, b in calls} == {torch.int8}
 
 
+def test_w8a8_int8_gemm_choice():
+    """By default W8A8 runs the int8 GEMM where torch._int_mm is fast; int8_gemm=False dequantizes on the
+    fly, bit-exact."""
+    model = quantized("llama", "INT8_SMOOTHQUANT_CFG")
+    auto = mtq.compress(copy.deepcopy(model))
+    fast = fast_int8_gemm(torch.device("cpu"))
+    assert {m.uses_kernel for m in auto.modules() if hasattr(m, "quant_algo")} == {fast}
+    exact = mtq.compress(copy.deepcopy(model), int8_gemm=False)
+    ids = batches(n=1, seed=4)[0]
+    assert torch.equal(_logits(exact, ids), _logits(model, ids))
+
+
 def test_conv1d_w8a8_falls_back_to_dequantize_and_one_info_line_per_format(lib_caplog):
     """GPT-2's Conv1D has no kernel path: W8A8 dequantizes on the fly there (bit-exact), with one INFO line
     for the format; a model with two formats gets two lines."""
     model = mtq.quantize(tiny_gpt2(), mtq.INT8_SMOOTHQUANT_CFG, batches(n=1))
     ref = _logits(model, batches(n=1, seed=3)[0])
     with lib_caplog.at_level(logging.INFO, logger="modelopt_lite.quantization.compress"):
-        mtq.compress(model)
+        mtq.compress(model, int8_gemm=True)
     lines = [r.getMessage() for r in lib_caplog.records if "dequantize on the fly" in r.getMessage()]
     assert len(lines) == 1
     assert "W8A8_SQ_PER_CHANNEL" in lines[0]
@@ -175,3 +188,16 @@ def test_mto_save_restore_keeps_weights_packed(tmp_path, preset):
     assert "weight" not in dict(restored.get_submodule(name).named_parameters(recurse=False))
     ids = batches(n=1, seed=9)[0]
     assert torch.equal(_logits(restored, ids), _logits(model, ids))
+
+
+def test_unpackable_shape_refused_before_any_change():
+    """A layer the format cannot pack (MXFP8 needs in_features divisible by 32) is named before any layer
+    is compressed."""
+    model = tiny_llama()
+    model.model.layers[1].mlp.down_proj = torch.nn.Linear(120, 64, bias=False)
+    model.model.layers[1].mlp.up_proj = torch.nn.Linear(64, 120, bias=False)
+    model.model.layers[1].mlp.gate_proj = torch.nn.Linear(64, 120, bias=False)
+    model = mtq.quantize(model, mtq.MXFP8_DEFAULT_CFG, batches(n=1))
+    with pytest.raises(UnsupportedFormatError, match=r"layers\.1\.mlp\.down_proj: MXFP8 needs in_features"):
+        mtq.compress(model)
+    assert not compressed_layers(model)

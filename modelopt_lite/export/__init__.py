@@ -7,6 +7,7 @@
 Packers (format -> tensors) register with :func:`register_packer`; the layer walk recognises formats from
 the quantizers' attributes; post-export verification reads the files back. The reference's other export
 paths (TensorRT-LLM, Megatron-Core, vLLM fake quant) exist in :mod:`.compat` and raise, naming this one.
+:func:`export_gpt_oss_mxfp4` writes GPT-OSS's own MXFP4 layout (``quant_method: "mxfp4"``).
 """
 
 from .compat import (
@@ -24,6 +25,7 @@ from .compat import (
 from .hf_config import QUANT_METHOD, hf_quant_config, quantization_config
 from .layers import SHARED_INPUT_GROUPS, UnsupportedFormatError, detect_format, unify_shared_scales
 from .loader import ModeloptExportConfig, ModeloptExportQuantizer, load_hf_checkpoint, read_hf_quant_config
+from .mxfp4 import export_gpt_oss_mxfp4
 from .packers import PACKERS, Packer, get_packer, register_packer
 from .verify import ExportVerificationError, read_checkpoint, verify_export
 from .writer import ExportResult, export_hf_checkpoint, parse_size
@@ -41,6 +43,7 @@ __all__ = [
     "convert_hf_quant_config_format",
     "convert_to_transformer_engine",
     "detect_format",
+    "export_gpt_oss_mxfp4",
     "export_hf_checkpoint",
     "export_hf_vllm_fq_checkpoint",
     "export_mcore_gpt_to_hf",

@@ -1,0 +1,157 @@
+"""``mtq.auto_quantize`` on a benchmark model: held-out perplexity against effective bits (issue 16).
+
+    MODELOPT_LITE_CACHE=... OMP_NUM_THREADS=1 python benchmarks/auto_quantize.py [--model bench-dense]
+        [--bits 4.5,5,...,8.5] [--methods gradient,kl_div] [--random-seeds 0,1,2] [--json F] [--quick]
+
+Model and data as in ``benchmarks/accuracy.py`` (its ``load_data``): the ``modelopt_lite.models`` benchmark
+model (fp32, from the user cache, never trained here), calibration and scoring on the ``fit`` split (the
+first ``--calib-size`` windows of 256 tokens, batches of 4; the scores use the first ``--score-size`` of
+them), perplexity on the ``test`` split (reported; the ``validation`` column is there for any choice made
+from these figures; this script makes none).
+
+Candidates ``NVFP4_DEFAULT_CFG`` (4.5 bits) and ``FP8_DEFAULT_CFG`` (8 bits), and unquantized (16), on every
+linear layer including ``lm_head`` (as the reference's ``hf_ptq`` searches it); KV cache unquantized. Each
+method searches once (calibration and scores); every budget is then solved from the stored scores
+(``mtq.get_auto_quantize_config(state, {"effective_bits": b})``) and the model quantized with that config
+(max calibration on the same windows). Rows per budget:
+
+* ``gradient`` / ``kl_div``: the searched assignment;
+* ``random``: the same solver and budget with random scores (uniform, decreasing with the bits, per group),
+  the mean over ``--random-seeds``: what the measured scores add over any assignment that fills the budget.
+
+``uniform NVFP4_DEFAULT_CFG`` / ``uniform FP8_DEFAULT_CFG``: every searched layer (``lm_head`` too) in one
+format, from the same search state (4.5 and 8 bits); ``preset ...``: the presets as they are (``lm_head``
+unquantized), for reference. At 6.0 bits ``removed`` is ``(ppl_nvfp4 - ppl_row) / (ppl_nvfp4 - ppl_fp8)``
+with the uniform rows: the share of uniform NVFP4's perplexity excess over uniform FP8 that the mixed
+assignment removes (issue target: >= 65%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from typing import Any
+
+import accuracy
+
+FORMATS = ["NVFP4_DEFAULT_CFG", "FP8_DEFAULT_CFG"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="bench-dense", choices=accuracy.MODELS)
+    p.add_argument("--bits", default="4.5,5,5.5,6,6.5,7,7.5,8,8.5")
+    p.add_argument("--methods", default="gradient,kl_div")
+    p.add_argument("--random-seeds", default="0,1,2")
+    p.add_argument("--calib-size", type=int, default=32, help="calibration windows of 256 tokens")
+    p.add_argument("--score-size", type=int, default=16, help="of them, the windows that score the formats")
+    p.add_argument("--eval-windows", type=int, default=None, help="cap on validation / test windows")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--json", default=None, help="write the rows here")
+    p.add_argument("--quick", action="store_true", help="a smoke run: 4 windows everywhere, budgets 4.5,6,8")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.calib_size, args.score_size, args.eval_windows, args.bits = 4, 4, 4, "4.5,6,8"
+    args.seq_len = accuracy.CALIB_SEQ  # (load_data's training windows, unused here)
+    return args
+
+
+def _random_state(state: dict[str, Any], seed: int) -> dict[str, Any]:
+    """``state`` with random scores: per group, decreasing with the bits, unquantized 0."""
+    rng = random.Random(seed)
+    stats = {}
+    for name, stat in state["candidate_stats"].items():
+        scores = [*sorted((rng.random() for _ in stat["formats"][:-1]), reverse=True), 0.0]
+        stats[name] = {**stat, "scores": scores}
+    return {**state, "candidate_stats": stats}
+
+
+def _uniform(state: dict[str, Any], fmt: str) -> dict[str, Any]:
+    """``state`` with every group choosing ``fmt``."""
+    return {**state, "best": {"recipe": dict.fromkeys(state["candidate_stats"], fmt)}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    accuracy.setup(args.threads)
+    import copy
+
+    import modelopt_lite.quantization as mtq
+
+    base, _, evals, calib, _ = accuracy.load_data(args.model, args)
+    data = [{"input_ids": b, "labels": b} for b in calib]
+    score_steps = max(1, args.score_size // accuracy.CALIB_BATCH)
+    budgets = [float(b) for b in args.bits.split(",")]
+
+    def measure(config: dict[str, Any]) -> dict[str, float]:
+        model = mtq.quantize(copy.deepcopy(base), config, calib)
+        return {f"{s}_ppl": accuracy._ppl(model, evals[s]) for s in ("validation", "test")}
+
+    rows: list[dict[str, Any]] = [
+        {"row": "unquantized", **{f"{s}_ppl": accuracy._ppl(base, evals[s]) for s in evals}}
+    ]
+    states = {}
+    for method in args.methods.split(","):
+        start = time.perf_counter()
+        forward = (
+            (lambda m, b: m(**b))
+            if method == "gradient"
+            else (lambda m, b: m(input_ids=b["input_ids"]).logits)
+        )
+        _, states[method] = mtq.auto_quantize(
+            copy.deepcopy(base), {"effective_bits": 8.0}, FORMATS, data, forward,
+            (lambda out, b: out.loss) if method == "gradient" else None,
+            num_calib_steps=len(data), num_score_steps=score_steps, method=method,
+        )  # fmt: skip
+        rows.append({"row": f"search {method}", "seconds": round(time.perf_counter() - start, 1)})
+    any_state = next(iter(states.values()))
+    for fmt in FORMATS:
+        rows.append(
+            {"row": f"uniform {fmt}", **measure(mtq.get_auto_quantize_config(_uniform(any_state, fmt)))}
+        )
+    for bits in budgets:
+        for method, state in states.items():
+            config = mtq.get_auto_quantize_config(state, {"effective_bits": bits})
+            rows.append({"row": method, "bits": bits, **measure(config)})
+        seeds = [int(s) for s in args.random_seeds.split(",") if s]
+        randoms = [
+            measure(mtq.get_auto_quantize_config(_random_state(any_state, s), {"effective_bits": bits}))
+            for s in seeds
+        ]
+        if randoms:
+            rows.append(
+                {
+                    "row": "random",
+                    "bits": bits,
+                    **{k: sum(r[k] for r in randoms) / len(randoms) for k in randoms[0]},
+                }
+            )
+        print(json.dumps([r for r in rows if r.get("bits") == bits]), flush=True)
+    for preset in FORMATS:  # the presets themselves (lm_head excluded), for reference
+        rows.append({"row": f"preset {preset}", **measure(mtq.get_preset(preset))})
+    _summarize(rows)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+def _summarize(rows: list[dict[str, Any]]) -> None:
+    by = {r["row"]: r for r in rows}
+    nvfp4, fp8 = (by.get(f"uniform {fmt}") for fmt in FORMATS)
+    print("| row | bits | val ppl | test ppl | removed (test) |\n|---|---|---|---|---|")
+    for r in rows:
+        if "test_ppl" not in r:
+            print(f"| {r['row']} | | | | {r['seconds']} s |")
+            continue
+        removed = ""
+        if nvfp4 and fp8 and r.get("bits") == 6.0 and nvfp4["test_ppl"] > fp8["test_ppl"]:
+            removed = f"{(nvfp4['test_ppl'] - r['test_ppl']) / (nvfp4['test_ppl'] - fp8['test_ppl']):.0%}"
+        ppl = f"{r['validation_ppl']:.3f} | {r['test_ppl']:.3f}"
+        print(f"| {r['row']} | {r.get('bits', '')} | {ppl} | {removed} |")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

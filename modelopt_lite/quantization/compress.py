@@ -21,6 +21,7 @@ Fine-tuning on top of frozen compressed weights (QLoRA style) is out of scope: t
 
 from __future__ import annotations
 
+import fnmatch
 import importlib
 from collections import Counter
 from functools import cache
@@ -35,6 +36,7 @@ from ..moe import QuantExperts
 from ..nn import QuantLinear
 from ..nn.errors import UnsupportedFeatureError
 from .calibrate import check_calibrated
+from .config_models import CompressConfig
 from .packers import Packer, UnsupportedFormatError, detect_format, get_packer
 
 __all__ = [
@@ -248,25 +250,48 @@ def restore_compressed(model: nn.Module, state: dict[str, Any]) -> None:
         )
 
 
+def _patterns(config: Any) -> dict[str, bool]:
+    if isinstance(config, CompressConfig):
+        config = config.compress
+    if config is None:
+        return {"*": True}
+    if not isinstance(config, dict) or not all(isinstance(v, bool) for v in config.values()):
+        raise ValueError(
+            f"mtq.compress(config={config!r}): expected None, a CompressConfig or {{layer pattern: bool}} "
+            "such as {'*lm_head*': False, 'default': True}"
+        )
+    return config
+
+
+def _selected(name: str, patterns: dict[str, bool]) -> bool:
+    selected = patterns.get("default", False)
+    for pattern, flag in patterns.items():
+        if pattern != "default" and fnmatch.fnmatch(name, pattern):
+            selected = flag
+    return selected
+
+
 def compress(model: nn.Module, config: Any = None, *, int8_gemm: bool | None = None) -> nn.Module:
     """Store the weight of every quantized linear layer of a calibrated model in its real format, in place;
     returns ``model``. Formats: those of the export (:func:`.packers.detect_format`): INT8 per channel
-    (W8A8, W8A16), INT4 block (W4A16_AWQ, W4A8_AWQ), FP8, NVFP4, MXFP8. ``config`` (the reference's
-    argument) must be ``None``. ``int8_gemm``: whether W8A8 layers run torchao's int8 GEMM (``None``: where
+    (W8A8, W8A16), INT4 block (W4A16_AWQ, W4A8_AWQ), FP8, NVFP4, MXFP8. ``config``, as the reference's:
+    ``None`` (every layer), ``{layer name pattern: bool}`` (``"default"`` first, then the patterns in
+    order, the last match wins) or a :class:`~.config_models.CompressConfig` (``quant_gemm=False``: no int8
+    GEMM). ``int8_gemm``: whether W8A8 layers run torchao's int8 GEMM (``None``: where
     it is fast, :func:`fast_int8_gemm`; ``False``: they dequantize on the fly, bit-exact). Layers already
     compressed are left as they are; fused MoE experts stay fake-quantized (a warning names them). Raises
     when a quantizer is not calibrated or a layer has no real format, before changing anything."""
-    if config is not None:
-        raise UnsupportedFeatureError(
-            f"mtq.compress(config={config!r}): the format of each layer is the one it was quantized with; "
-            "call mtq.compress(model)"
-        )
+    patterns = _patterns(config)
+    if isinstance(config, CompressConfig) and not config.quant_gemm:
+        int8_gemm = False
     require_torchao()
     check_calibrated(model)
     plan: list[tuple[str, QuantLinear, str]] = []
     experts = [n for n, m in model.named_modules() if isinstance(m, QuantExperts)]
     for name, module in model.named_modules():
         if not isinstance(module, QuantLinear) or isinstance(module, CompressedLinear):
+            continue
+        if not _selected(name, patterns):
             continue
         if module.output_quantizer.is_enabled:
             raise UnsupportedFormatError(

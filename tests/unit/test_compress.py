@@ -140,11 +140,23 @@ def test_compress_before_calibration_names_the_quantizers():
 def test_bad_input_refused():
     with pytest.raises(ValueError, match="no quantized linear layer"):
         mtq.compress(tiny_llama())
-    with pytest.raises(mtq.UnsupportedFeatureError, match=r"call mtq\.compress"):
+    with pytest.raises(ValueError, match=r"expected None, a CompressConfig or \{layer pattern: bool\}"):
         mtq.compress(quantized("llama", "FP8_DEFAULT_CFG"), config=mtq.FP8_DEFAULT_CFG)
     model = mtq.compress(quantized("llama", "FP8_DEFAULT_CFG"))
     with pytest.raises(mtq.UnsupportedFeatureError, match=r"before mtq\.compress"):
         mtq.fold_weight(model)
+
+
+def test_config_selects_layers_as_the_reference():
+    model = quantized("llama", "INT8_SMOOTHQUANT_CFG")
+    mtq.compress(model, {"*mlp*": False, "default": True, "*layers.1.mlp.up_proj": True})
+    names = set(compressed_layers(model))
+    assert len(names) == 9  # 8 attention projections and up_proj of layer 1
+    assert "model.layers.1.mlp.up_proj" in names
+    assert not any("mlp" in n for n in names - {"model.layers.1.mlp.up_proj"})
+    model = mtq.compress(quantized("llama", "INT8_SMOOTHQUANT_CFG"), mtq.CompressConfig(quant_gemm=False))
+    assert len(compressed_layers(model)) == 14
+    assert not any(getattr(m, "uses_kernel", False) for m in model.modules())
 
 
 def test_dtype_cast_keeps_codes_and_scales():

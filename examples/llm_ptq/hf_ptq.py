@@ -8,6 +8,11 @@ cache on first use, a few minutes on CPU) calibrated on its own corpus; with you
     python examples/llm_ptq/hf_ptq.py --pyt_ckpt_path ./model --qformat nvfp4 --kv_cache_qformat fp8 \
         --dataset corpus.txt --calib_size 64 --calib_seq 512 --export_path ./model-nvfp4
 
+A format per layer group, searched under a budget of 6 bits per weight among NVFP4, FP8 and unquantized
+(``mtq.auto_quantize``; the comma list names the candidates):
+
+    python examples/llm_ptq/hf_ptq.py --default_model dense --auto_quantize_bits 6.0 --qformat nvfp4,fp8
+
 The same command is installed as ``modelopt-lite-ptq``; ``--help`` lists every flag.
 """
 

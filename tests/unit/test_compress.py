@@ -213,3 +213,17 @@ def test_unpackable_shape_refused_before_any_change():
     with pytest.raises(UnsupportedFormatError, match=r"layers\.1\.mlp\.down_proj: MXFP8 needs in_features"):
         mtq.compress(model)
     assert not compressed_layers(model)
+
+
+def test_fused_experts_stay_fake_quantized_with_a_warning(lib_caplog):
+    model = quantized("qwen3_moe", "INT8_WEIGHT_ONLY_CFG")
+    ids = batches(n=1, seed=2)[0]
+    ref = _logits(model, ids)
+    with lib_caplog.at_level(logging.WARNING, logger="modelopt_lite.quantization.compress"):
+        mtq.compress(model)
+    warnings = [r.getMessage() for r in lib_caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1
+    assert "fused MoE experts" in warnings[0]
+    assert "mlp.experts" in warnings[0]
+    assert compressed_layers(model)  # the attention projections
+    assert torch.equal(_logits(model, ids), ref)

@@ -94,14 +94,24 @@ def kv_cache_format(name: str, module: nn.Module) -> str | None:
     return "FP8"
 
 
+#: formats whose stored scales come from the weight itself or one per-tensor amax, so that the rows of an
+#: interleaved gate_up_proj can be reordered into [gate; up] before packing
+_ROW_ORDER_FREE = {"FP8", "NVFP4", "NVFP4_AWQ", "W4A16_NVFP4"}
+
+
+def _interleaved(module: QuantExperts) -> bool:
+    """GPT-OSS stores gate_up_proj's rows as (gate_0, up_0, gate_1, ...) instead of [gate; up]."""
+    return module.has_gate and not getattr(module, "is_concatenated", True)
+
+
+def _gate_up_order(t: torch.Tensor | None) -> torch.Tensor | None:
+    """Interleaved rows -> [gate; up] (the order the writer splits into gate_proj / up_proj)."""
+    return None if t is None else torch.cat((t[0::2], t[1::2]))
+
+
 def _experts_specs(name: str, module: QuantExperts) -> Iterator[tuple]:
     """``(hub name, split, quant_algo, proj, expert, weight quantizer, input quantizer)`` per expert
     projection; reads no weight."""
-    if module.has_gate and not getattr(module, "is_concatenated", True):
-        raise UnsupportedFormatError(
-            f"{name}: {type(module).__name__} interleaves the gate and up rows of gate_up_proj; the unified "
-            "export writes experts whose gate_up_proj is [gate; up] (Qwen3-MoE, Mixtral, Llama 4) only"
-        )
     first, down = module._projections
     halves = ("gate_proj", "up_proj") if module.has_gate else None
     for proj, hub in ((first, halves or "up_proj"), (down, "down_proj")):
@@ -109,6 +119,13 @@ def _experts_specs(name: str, module: QuantExperts) -> Iterator[tuple]:
         for e, wq in enumerate(getattr(module, f"{proj}_weight_quantizers")):
             prefix = f"{name}.{e}"
             algo = detect_format(f"{name}.{proj}[{e}]", wq, iq)
+            reordered = isinstance(hub, tuple) and _interleaved(module) and algo is not None
+            if reordered and (algo not in _ROW_ORDER_FREE or getattr(wq.spec, "static_nvfp4", False)):
+                raise UnsupportedFormatError(
+                    f"{name}.{proj}[{e}]: {type(module).__name__} interleaves the gate and up rows of "
+                    f"gate_up_proj; the unified export writes them as gate_proj / up_proj in "
+                    f"{sorted(_ROW_ORDER_FREE)} (dynamic NVFP4 blocks) only, not {algo}"
+                )
             if isinstance(hub, tuple):
                 yield prefix, (f"{prefix}.{hub[0]}", f"{prefix}.{hub[1]}"), algo, proj, e, wq, iq
             else:
@@ -143,7 +160,10 @@ class ExportModule:
             for hub, split, algo, proj, e, wq, iq in _experts_specs(self.name, module):
                 biases = getattr(module, f"{proj}_bias", None) if module.has_bias else None
                 bias = None if biases is None else biases[e]
-                out.append(ExportLayer(hub, algo, module.expert_weight(proj, e), wq, iq, bias, split))
+                weight = module.expert_weight(proj, e)
+                if split is not None and _interleaved(module):
+                    weight, bias = _gate_up_order(weight), _gate_up_order(bias)
+                out.append(ExportLayer(hub, algo, weight, wq, iq, bias, split))
         else:
             algo = self.algos[0]
             w = module._weight_view()

@@ -23,10 +23,12 @@ from torch import nn
 from transformers.core_model_loading import (
     Concatenate,
     ConversionOps,
+    Interleave,
     MergeModulelist,
     Transpose,
     WeightConverter,
 )
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 from transformers.models.llama4.modeling_llama4 import Llama4TextExperts
 from transformers.quantizers.auto import (
     AUTO_QUANTIZATION_CONFIG_MAPPING,
@@ -169,23 +171,35 @@ class ModeloptDequantize(ConversionOps):
         return param.dtype
 
 
-def _llama4_experts_conversions() -> list[WeightConverter]:
-    """Llama 4's text experts are written per expert, ``(out, in)`` as every other linear map; the model
-    stores them fused and transposed: ``gate_up_proj`` ``(experts, hidden, 2 * inter)`` = [gate; up],
-    ``down_proj`` ``(experts, inter, hidden)``. transformers has no such conversion for Llama 4."""
-    experts = "feed_forward.experts"
-    return [
+def _fused_experts_conversions(experts: str, interleaved: bool, bias: bool) -> list[WeightConverter]:
+    """Per-expert ``gate_proj`` / ``up_proj`` / ``down_proj`` maps, written ``(out, in)`` as every other
+    linear map, merged into fused experts stored transposed, ``(experts, in, out)``: Llama 4 (``gate_up_proj``
+    = [gate; up]) and GPT-OSS (gate and up rows interleaved, with biases). transformers has no such
+    conversion for either."""
+
+    def gate_up() -> list[ConversionOps]:
+        ops: list[ConversionOps] = [MergeModulelist(dim=0), Concatenate(dim=1)]
+        return [*ops, Interleave(dim=1, inverse=True)] if interleaved else ops
+
+    halves = [f"{experts}.*.gate_proj.", f"{experts}.*.up_proj."]
+    down = f"{experts}.*.down_proj."
+    out = [
         WeightConverter(
-            source_patterns=[f"{experts}.*.gate_proj.weight", f"{experts}.*.up_proj.weight"],
-            target_patterns=f"{experts}.gate_up_proj",
-            operations=[MergeModulelist(dim=0), Concatenate(dim=1), Transpose(1, 2)],
+            [h + "weight" for h in halves], f"{experts}.gate_up_proj", [*gate_up(), Transpose(1, 2)]
         ),
-        WeightConverter(
-            source_patterns=f"{experts}.*.down_proj.weight",
-            target_patterns=f"{experts}.down_proj",
-            operations=[MergeModulelist(dim=0), Transpose(1, 2)],
-        ),
+        WeightConverter(down + "weight", f"{experts}.down_proj", [MergeModulelist(dim=0), Transpose(1, 2)]),
     ]
+    if bias:
+        out.append(WeightConverter([h + "bias" for h in halves], f"{experts}.gate_up_proj_bias", gate_up()))
+        out.append(WeightConverter(down + "bias", f"{experts}.down_proj_bias", [MergeModulelist(dim=0)]))
+    return out
+
+
+#: fused experts classes written per expert -> (their path under the decoder layer, interleaved, biases)
+_FUSED_TRANSPOSED = {
+    Llama4TextExperts: ("feed_forward.experts", False, False),
+    GptOssExperts: ("mlp.experts", True, True),
+}
 
 
 class ModeloptExportQuantizer(HfQuantizer):
@@ -199,9 +213,15 @@ class ModeloptExportQuantizer(HfQuantizer):
         return {"dequantize": ModeloptDequantize}
 
     def update_weight_conversions(self, weight_conversions: list, model: nn.Module) -> list:
-        """The model's conversions, plus the merge of per-expert Llama 4 experts (dequantized first)."""
-        if any(isinstance(m, Llama4TextExperts) for m in model.modules()):
-            weight_conversions = [*weight_conversions, *_llama4_experts_conversions()]
+        """The model's conversions, plus the merge of per-expert Llama 4 / GPT-OSS experts (dequantized
+        first)."""
+        present = {type(m) for m in model.modules()}
+        for cls, (experts, interleaved, bias) in _FUSED_TRANSPOSED.items():
+            if cls in present:
+                weight_conversions = [
+                    *weight_conversions,
+                    *_fused_experts_conversions(experts, interleaved, bias),
+                ]
         return super().update_weight_conversions(weight_conversions, model)
 
     def _process_model_before_weight_loading(self, model: nn.Module, **kwargs: Any) -> None:

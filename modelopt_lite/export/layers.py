@@ -20,6 +20,7 @@ from ..logging import get_logger
 from ..moe import QuantExperts
 from ..nn import QuantAttention, QuantLinear, TensorQuantizer
 from ..nn.quant_module import Quantizer
+from ..quantization.compress import CompressedLinear
 from ..quantization.packers import SUPPORTED, UnsupportedFormatError, _describe, _kind, detect_format
 
 __all__ = [
@@ -182,6 +183,11 @@ def export_plan(model: nn.Module) -> list[ExportModule]:
             algos = [spec[2] for spec in _experts_specs(name, module)]
             replaced = {f"{name}.{p}" for proj in module._projections for p in (proj, f"{proj}_bias")}
             plan.append(ExportModule(name, module, replaced, algos))
+        elif isinstance(module, CompressedLinear):
+            raise UnsupportedFormatError(
+                f"{name}: the layer is compressed (mtq.compress); export the model before compressing it "
+                "(the export writes the same packed tensors), or save the compressed model with mto.save"
+            )
         elif isinstance(module, QuantLinear):
             if module.output_quantizer.is_enabled:
                 raise UnsupportedFormatError(

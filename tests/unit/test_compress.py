@@ -227,3 +227,12 @@ def test_fused_experts_stay_fake_quantized_with_a_warning(lib_caplog):
     assert "mlp.experts" in warnings[0]
     assert compressed_layers(model)  # the attention projections
     assert torch.equal(_logits(model, ids), ref)
+
+
+def test_export_of_a_compressed_model_refused(tmp_path):
+    from modelopt_lite.export import export_hf_checkpoint
+
+    model = mtq.compress(quantized("llama", "FP8_DEFAULT_CFG"))
+    with pytest.raises(UnsupportedFormatError, match="export the model before compressing it"):
+        export_hf_checkpoint(model, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -109,6 +109,14 @@ class CompressedLinear(nn.Module):
             f"{self.quant_algo}); fold_weight applies to fake-quantized layers, before mtq.compress"
         )
 
+    def weight_quantizer_pairs(self):  # type: ignore[override]
+        """Calibration reads the weights through these pairs: a compressed layer refuses (its codes would
+        no longer match a recalibrated amax)."""
+        raise UnsupportedFeatureError(
+            f"{self.weight_quantizer.name}: the layer is compressed; calibrate (mtq.quantize, mtq.calibrate) "
+            "before mtq.compress"
+        )
+
     def _apply(self, fn, recurse=True):  # type: ignore[override]
         # the packed tensors keep their dtypes under model.to(bfloat16) / .half() (a cast would change
         # every code and scale); the weight's compute dtype follows the cast

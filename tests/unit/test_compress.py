@@ -145,6 +145,8 @@ def test_bad_input_refused():
     model = mtq.compress(quantized("llama", "FP8_DEFAULT_CFG"))
     with pytest.raises(mtq.UnsupportedFeatureError, match=r"before mtq\.compress"):
         mtq.fold_weight(model)
+    with pytest.raises(mtq.UnsupportedFeatureError, match=r"calibrate \(mtq\.quantize, mtq\.calibrate\)"):
+        mtq.calibrate(model, "max", batches(n=1))
 
 
 def test_config_selects_layers_as_the_reference():

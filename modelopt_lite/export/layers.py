@@ -21,7 +21,14 @@ from ..moe import QuantExperts
 from ..nn import QuantAttention, QuantLinear, TensorQuantizer
 from ..nn.quant_module import Quantizer
 from ..quantization.compress import CompressedLinear
-from ..quantization.packers import SUPPORTED, UnsupportedFormatError, _describe, _kind, detect_format
+from ..quantization.packers import (
+    SUPPORTED,
+    UnsupportedFormatError,
+    _describe,
+    _kind,
+    detect_format,
+    linear_format,
+)
 
 __all__ = [
     "SHARED_INPUT_GROUPS",
@@ -189,12 +196,7 @@ def export_plan(model: nn.Module) -> list[ExportModule]:
                 "(the export writes the same packed tensors), or save the compressed model with mto.save"
             )
         elif isinstance(module, QuantLinear):
-            if module.output_quantizer.is_enabled:
-                raise UnsupportedFormatError(
-                    f"{name}: output quantizer {_describe(module.output_quantizer)} is enabled; the export "
-                    "has no tensor for output quantization (disable *output_quantizer)"
-                )
-            algo = detect_format(name, module.weight_quantizer, module.input_quantizer)
+            algo = linear_format(name, module)
             if algo is not None:
                 plan.append(ExportModule(name, module, {f"{name}.weight"}, [algo]))
     awq = any(algo == "NVFP4_AWQ" for m in plan for algo in m.algos)  # a layer AWQ left unsmoothed is AWQ

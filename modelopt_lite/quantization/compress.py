@@ -37,7 +37,7 @@ from ..nn import QuantLinear
 from ..nn.errors import UnsupportedFeatureError
 from .calibrate import check_calibrated
 from .config_models import CompressConfig
-from .packers import Packer, UnsupportedFormatError, detect_format, get_packer
+from .packers import Packer, UnsupportedFormatError, get_packer, linear_format
 
 __all__ = [
     "W8A8_TOLERANCE",
@@ -301,12 +301,7 @@ def compress(model: nn.Module, config: Any = None, *, int8_gemm: bool | None = N
             continue
         if not _selected(name, patterns):
             continue
-        if module.output_quantizer.is_enabled:
-            raise UnsupportedFormatError(
-                f"{name}: output quantizer is enabled; mtq.compress keeps weights only (disable "
-                "*output_quantizer)"
-            )
-        algo = detect_format(name, module.weight_quantizer, module.input_quantizer)
+        algo = linear_format(name, module)
         if algo is not None:
             try:
                 get_packer(algo).check_shape(module._weight_view().shape)

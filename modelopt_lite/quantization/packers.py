@@ -34,7 +34,7 @@ from ..formats.fp8 import fp8_scales
 from ..formats.integer import int_bounds, int_scale_keep
 from ..formats.mx import mx_scale_exponent
 from ..formats.rounding import E4M3, TINY_AMAX, minifloat_round, true_div
-from ..nn import SequentialQuantizer, TensorQuantizer
+from ..nn import QuantLinear, SequentialQuantizer, TensorQuantizer
 from ..nn.quant_linear import lowrank_factors
 from ..nn.quant_module import Quantizer
 
@@ -45,6 +45,7 @@ __all__ = [
     "UnsupportedFormatError",
     "detect_format",
     "get_packer",
+    "linear_format",
     "register_packer",
     "scale_of_amax",
 ]
@@ -392,3 +393,14 @@ def detect_format(name: str, wq: Quantizer | None, iq: TensorQuantizer | None) -
     if algo == "NVFP4" and iq is not None and iq.pre_quant_scale is not None:
         return "NVFP4_AWQ"
     return algo
+
+
+def linear_format(name: str, module: QuantLinear) -> str | None:
+    """The ``quant_algo`` of a quantized linear layer (``None``: not quantized); an enabled output quantizer
+    has no real format."""
+    if module.output_quantizer.is_enabled:
+        raise UnsupportedFormatError(
+            f"{name}: output quantizer {_describe(module.output_quantizer)} is enabled; the real formats "
+            "(export, mtq.compress) have no tensor for output quantization (disable *output_quantizer)"
+        )
+    return detect_format(name, module.weight_quantizer, module.input_quantizer)

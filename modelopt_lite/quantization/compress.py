@@ -154,7 +154,9 @@ class CompressedLinear(nn.Module):
 
 @cache
 def _compressed_class(cls: type[nn.Module]) -> type[nn.Module]:
-    return type(f"Compressed{cls.__name__}", (CompressedLinear, cls), {"__module__": __name__})
+    # original_cls in the class dict: QuantLinear.__new__ then knows a copy is being made (deepcopy)
+    attrs = {"__module__": __name__, "original_cls": cls.original_cls}
+    return type(f"Compressed{cls.__name__}", (CompressedLinear, cls), attrs)
 
 
 def is_compressed(model: nn.Module) -> bool:

@@ -161,8 +161,10 @@ def test_config_selects_layers_as_the_reference():
     assert not any(getattr(m, "uses_kernel", False) for m in model.modules())
 
 
-def test_dtype_cast_keeps_codes_and_scales():
+def test_deepcopy_and_dtype_cast_keep_codes_and_scales():
     model = mtq.compress(quantized("llama", "NVFP4_DEFAULT_CFG"))
+    ids = batches(n=1)[0]
+    assert torch.equal(_logits(copy.deepcopy(model), ids), _logits(model, ids))
     layer = model.model.layers[0].mlp.up_proj
     before = {n: b.clone() for n, b in layer.named_buffers(recurse=False)}
     model.to(torch.bfloat16)

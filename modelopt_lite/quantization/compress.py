@@ -6,10 +6,10 @@ computes with them in one of two ways:
 
 * a torchao kernel: W8A8 (INT8 per-channel weight, INT8 per-tensor static input, SmoothQuant's
   ``pre_quant_scale``) runs torchao's ``Int8Tensor`` linear, a real int8 x int8 GEMM with int32 accumulation
-  (the activation is quantized by torchao with the calibrated input scale). Its outputs differ from the
-  fake-quant model's by the float rounding of a different order of operations
-  (:data:`W8A8_TOLERANCE`).
-* dequantize on the fly, every other format: the layer's weight is rebuilt from the codes for each forward
+  (the activation is quantized by torchao with the calibrated input scale), where that GEMM is fast
+  (:func:`fast_int8_gemm`; ``compress(int8_gemm=...)`` decides otherwise). Its outputs differ from the
+  fake-quant model's by the float rounding of a different order of operations (:data:`W8A8_TOLERANCE`).
+* dequantize on the fly, every other layer: the layer's weight is rebuilt from the codes for each forward
   (peak extra memory: one layer's weight) and the layer computes what the fake-quant layer computes, bit for
   bit. Where the packer's dequantization is within one ulp of the fake-quantized weight (INT and FP8, whose
   stored scale is ``amax / max_bound``), the calibrated weight quantizer is applied to it once more, which

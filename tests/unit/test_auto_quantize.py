@@ -106,7 +106,13 @@ def test_solver_rounds_up_huge_costs_and_stays_feasible():
 
 # ------------------------------------------------------------------------------------------------ search
 def test_dense_search_groups_budget_and_state():
-    model, state = _search(tiny_llama())
+    model = tiny_llama()
+    weights = {n: p.data_ptr() for n, p in model.named_parameters()}
+    model, state = _search(model)
+    # the weights are the model's own (no copy per format), hooks and requires_grad flags put back
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == weights
+    assert all(p.requires_grad for p in model.parameters())
+    assert not any(m._forward_hooks for m in model.modules())
     json.dumps(state)  # plain data
     stats, best = state["candidate_stats"], state["best"]
     assert best["is_satisfied"]

@@ -90,7 +90,8 @@ def quantization_config(hf_config: dict[str, Any]) -> dict[str, Any]:
     out["ignore"] = list(q["exclude_modules"])
     if q.get("kv_cache_quant_algo"):
         out["kv_cache_quant_algo"] = q["kv_cache_quant_algo"]
-        out["kv_cache_scheme"] = {**_FLOAT, "num_bits": 8}
+        fp8 = q["kv_cache_quant_algo"] == "FP8"  # the others by name, as the reference writes them
+        out["kv_cache_scheme"] = {**_FLOAT, "num_bits": 8} if fp8 else q["kv_cache_quant_algo"]
     out["producer"] = dict(hf_config["producer"])
     return out
 

@@ -68,38 +68,71 @@ class ExportLayer:
 
 
 def _unstored_transform(q: nn.Module) -> str | None:
-    """What of an FP8 KV quantizer an export cannot write: a rotation (the reference writes nothing of it),
-    a dynamic bias (only a calibrated one is written, as ``k_bias`` / ``v_bias``)."""
+    """What of a KV quantizer an export cannot write: a rotation (the reference writes nothing of it), a
+    dynamic bias (only a calibrated one is written, as ``k_bias`` / ``v_bias``)."""
     if q.attributes.rotation() is not None:
-        return "a Hadamard rotation (rotate=True)"
+        return "a Hadamard rotation (rotate=True; NVFP4_KV_CFG is NVFP4_KV_ROTATE_CFG without it)"
     if q.bias_calibrator is not None and q.bias_value is None:
         return f"a bias with no calibrated value (bias={q.attributes.bias!r})"
     return None
 
 
+def _kv_kind(q: TensorQuantizer) -> str | None:
+    """The ``kv_cache_quant_algo`` of one KV quantizer: FP8 per tensor, or NVFP4 with dynamic E4M3 scales
+    per 16 channels (what engines store); ``None`` for anything else."""
+    if not q.is_enabled:
+        return None
+    if _kind(q) == "fp8":
+        return "FP8"
+    spec = q.spec
+    return "NVFP4" if spec.kind == "nvfp4" and spec.dynamic and spec.block_axes == ((-1, 16),) else None
+
+
 def kv_cache_format(name: str, module: nn.Module) -> str | None:
-    """``"FP8"`` when the attention module's KV quantizers are FP8 per tensor, ``None`` when both are off."""
+    """The ``kv_cache_quant_algo`` of the attention module's KV quantizers, named as the reference names it:
+    ``"FP8"`` (per tensor, with or without a calibrated bias), ``"NVFP4"``, ``"NVFP4_AFFINE"`` (NVFP4 with a
+    calibrated bias on both K and V); ``None`` when both are off. Anything else raises, naming the module."""
     quantizers = [getattr(module, s) for s in ("k_bmm_quantizer", "v_bmm_quantizer")]
     if not any(q.is_enabled for q in quantizers):
         return None
+    kinds = []
     for q in quantizers:
-        if not q.is_enabled or _kind(q) != "fp8":
+        slot = q.name.rpartition(".")[2]
+        kinds.append(_kv_kind(q))
+        if kinds[-1] is None:
             raise UnsupportedFormatError(
-                f"{name}: KV cache {q.name.rpartition('.')[2]} is {_describe(q)}; the export writes an FP8 "
-                "per-tensor KV cache (k_scale / v_scale) only: use FP8_KV_CFG or disable the KV quantizers"
+                f"{name}: KV cache {slot} is {_describe(q)}; the export writes an FP8 per-tensor KV cache "
+                "(FP8_KV_CFG, FP8_AFFINE_KV_CFG) or an NVFP4 one with 16-element dynamic blocks "
+                "(NVFP4_KV_CFG, NVFP4_AFFINE_KV_CFG) on both K and V: use one of them or disable the KV "
+                "quantizers"
             )
         unstored = _unstored_transform(q)
         if unstored:
             raise UnsupportedFormatError(
-                f"{name}: KV cache {q.name.rpartition('.')[2]} has {unstored}, which the checkpoint format "
-                "cannot record (engines would read the cache without it): export without it"
+                f"{name}: KV cache {slot} has {unstored}, which the checkpoint format cannot record (engines "
+                "would read the cache without it): quantize the KV cache without it to export"
             )
+    if kinds[0] != kinds[1]:
+        raise UnsupportedFormatError(
+            f"{name}: KV cache k_bmm_quantizer is {_describe(quantizers[0])} but v_bmm_quantizer is "
+            f"{_describe(quantizers[1])}; the checkpoint records one kv_cache_quant_algo for K and V: "
+            "quantize both the same way"
+        )
+    algo = kinds[0]
+    biased = [q.bias_value is not None for q in quantizers]
+    if algo == "NVFP4" and any(biased):
+        if not all(biased):
+            raise UnsupportedFormatError(
+                f"{name}: only {'k_bmm_quantizer' if biased[0] else 'v_bmm_quantizer'} has a calibrated "
+                "bias; an NVFP4_AFFINE KV cache has one on K and on V (NVFP4_AFFINE_KV_CFG)"
+            )
+        algo = "NVFP4_AFFINE"
     if not hasattr(module, "k_proj") or not hasattr(module, "v_proj"):
         raise UnsupportedFormatError(
-            f"{name}: FP8 KV-cache scales are written as <attn>.k_proj.k_scale / v_proj.v_scale, but "
+            f"{name}: KV-cache scales are written as <attn>.k_proj.k_scale / v_proj.v_scale, but "
             f"{type(module).__name__} has no k_proj / v_proj"
         )
-    return "FP8"
+    return algo
 
 
 #: formats whose stored scales come from the weight itself or one per-tensor amax, so that the rows of an
@@ -301,7 +334,9 @@ def foldable_norms(model: nn.Module) -> dict[str, tuple[torch.Tensor, list[str]]
 _FAKE_ONLY = {"q_bmm_quantizer": "query", "p_bmm_quantizer": "softmax probabilities"}
 
 
-def kv_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+def kv_layers(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], str | None]:
+    """The attention modules whose KV cache the checkpoint quantizes, and its one ``kv_cache_quant_algo``
+    (``None``: none); modules with different KV formats raise, naming two of them."""
     for slot, what in _FAKE_ONLY.items():
         modules = model.named_modules()
         names = [n for n, m in modules if isinstance(m, QuantAttention) and getattr(m, slot).is_enabled]
@@ -314,6 +349,17 @@ def kv_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
                 names[0],
                 slot,
             )
+    found: list[tuple[str, nn.Module]] = []
+    first: dict[str, str] = {}  # kv_cache_quant_algo -> the first module with it
     for name, module in model.named_modules():
-        if isinstance(module, QuantAttention) and kv_cache_format(name, module) is not None:
-            yield name, module
+        algo = kv_cache_format(name, module) if isinstance(module, QuantAttention) else None
+        if algo is not None:
+            found.append((name, module))
+            first.setdefault(algo, name)
+    if len(first) > 1:
+        shown = ", ".join(f"{a} in {n}" for a, n in first.items())
+        raise UnsupportedFormatError(
+            f"KV caches in different formats ({shown}); the checkpoint records one kv_cache_quant_algo for "
+            "the model: quantize every KV cache the same way"
+        )
+    return found, next(iter(first), None)

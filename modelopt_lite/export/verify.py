@@ -1,8 +1,8 @@
 """Post-export verification: read the written checkpoint back and check it against the model's quantizers.
 
 * every enabled weight quantizer's layer is stored quantized (its format's dtype and exact packed size),
-  every enabled static input quantizer has its ``input_scale``, every FP8 KV quantizer its ``k_scale`` /
-  ``v_scale`` (and ``k_bias`` / ``v_bias`` when affine);
+  every enabled static input quantizer has its ``input_scale``, every KV quantizer (FP8, NVFP4) its
+  ``k_scale`` / ``v_scale`` (and ``k_bias`` / ``v_bias`` when affine) and a ``kv_cache_quant_algo``;
 * the on-disk size of the quantized layers (weight and weight scales) is what the format implies
   (e.g. NVFP4 about 0.28x of bf16);
 * no scale is NaN, inf or zero (an E8M0 scale byte is never 255, its NaN).
@@ -140,6 +140,9 @@ def verify_export(model: nn.Module, directory: Path) -> dict[str, float]:
         size[0] += nbytes
         size[1] += out_f * in_f * 2
     problems += [f"{name}: missing" for name in sorted(scales) if name not in weight_map]
+    kv = sorted(n for n in scales if n.endswith(("k_scale", "v_scale")))
+    if kv and not quantization.get("kv_cache_quant_algo"):
+        problems.append(f"{kv[0]} (and {len(kv) - 1} more): KV quantizers, but no kv_cache_quant_algo")
     for key in sorted(k for k in weight_map if k.rpartition(".")[2] in _SCALES):
         if _bad_scale(handles[weight_map[key]].get_tensor(key)):
             problems.append(f"{key}: NaN, inf or zero scale")

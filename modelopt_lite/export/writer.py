@@ -202,7 +202,7 @@ def _stream_tensors(
         if pending.pop(id(m), None) is not None:
             write_module(m)
     kv = {}
-    for name, attn in kv_attention:
+    for name, attn in kv_attention:  # amax / 448 for FP8 and NVFP4 KV alike, as the reference writes it
         for x in "kv":
             q = getattr(attn, f"{x}_bmm_quantizer")
             kv[f"{name}.{x}_proj.{x}_scale"] = scale_of_amax(q.amax.reshape(()), 448.0)
@@ -346,11 +346,9 @@ def export_hf_checkpoint(
     try:
         with _together("export_hf_checkpoint: planning", collective):
             plan, quantized, groups = _plan(model)
-            kv_attention = list(kv_layers(model))
+            kv_attention, kv_algo = kv_layers(model)
             hf_cfg = hf_quant_config(
-                {n: (a, groups[a]) for n, a in quantized.items()},
-                _excluded(model, quantized),
-                "FP8" if kv_attention else None,
+                {n: (a, groups[a]) for n, a in quantized.items()}, _excluded(model, quantized), kv_algo
             )
             unify_shared_scales(model)
             norms = foldable_norms(model)  # gathers each candidate norm (collectives, the same on every rank)

@@ -68,8 +68,9 @@ def test_unsupported_weight_format_names_layer_and_format(tmp_path):
 
 
 def test_unsupported_kv_cache_format_names_attention(tmp_path):
-    model = quantized("llama", "FP8_DEFAULT_CFG", "NVFP4_KV_CFG")
-    with pytest.raises(UnsupportedFormatError, match=r"model\.layers\.0\.self_attn: KV cache .*nvfp4"):
+    int8_kv = {"quant_cfg": [{"quantizer_name": "*[kv]_bmm_quantizer", "cfg": {"num_bits": 8, "axis": None}}]}
+    model = quantized("llama", "FP8_DEFAULT_CFG", int8_kv)
+    with pytest.raises(UnsupportedFormatError, match=r"model\.layers\.0\.self_attn: KV cache .*int8"):
         export_hf_checkpoint(model, tmp_path / "out")
 
 

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.integrations.moe import grouped_mm_experts_forward
 
+from ..formats import fake_quant
 from ..nn import QUANT_MODULES, QuantModule, TensorQuantizer
 from ..nn.quant_module import Quantizer
 
@@ -72,6 +73,38 @@ class _QuantizedView:
         return getattr(self._module, name)
 
 
+def _batched_fake_quant(quantizers: nn.ModuleList, weight: torch.Tensor) -> torch.Tensor | None:
+    """All experts of ``weight`` ``(experts, out, in)`` fake-quantized in one call, bit for bit what each
+    expert's quantizer gives it alone; ``None`` unless every quantizer only fake-quantizes (no calibration,
+    smoothing, rotation, bias or learned amax) with the same attributes, one calibrated amax per expert and
+    a format whose math takes that amax as a per-expert broadcast (NVFP4 with its global amax, per-tensor
+    INT / FP8). One autograd node then carries the whole weight: no per-expert slices, stack or unbind."""
+    first = quantizers[0]
+    if not isinstance(first, TensorQuantizer):
+        return None
+    attrs, spec = first.attributes, first._spec
+    nvfp4 = spec.kind == "nvfp4" and not spec.static_nvfp4
+    per_tensor = (
+        spec.kind in ("int", "fp8") and spec.axis is None and not spec.block_axes and not spec.dynamic
+    )
+    if not (nvfp4 or per_tensor):
+        return None
+    amaxes = []
+    for q in quantizers:
+        amax = q.amax if isinstance(q, TensorQuantizer) else None
+        if amax is None or amax.numel() != 1 or q.attributes != attrs or attrs.learn_amax:
+            return None
+        if not attrs.enable or not q._quant_enabled or q._calib_enabled or q._rotation is not None:
+            return None
+        if q.pre_quant_scale is not None or attrs.bias is not None or q.global_amax is not None:
+            return None
+        amaxes.append(amax.reshape(()))
+    try:
+        return fake_quant(weight, spec, torch.stack(amaxes).view(-1, 1, 1), attrs.backward == "clipped")
+    except ValueError as err:
+        raise ValueError(f"{first.name} (and the other experts' weight quantizers): {err}") from None
+
+
 class QuantExperts(QuantModule):
     """``<proj>_weight_quantizers.{i}`` (one per expert) and ``<proj>_input_quantizer`` for the first
     projection (``gate_up_proj`` or ``up_proj``) and ``down_proj``. Weight quantizers see each expert's
@@ -114,9 +147,13 @@ class QuantExperts(QuantModule):
         quantizers = getattr(self, f"{proj}_weight_quantizers")
         if self.weight_pass_through and not any(q.is_enabled and q._quant_enabled for q in quantizers):
             return getattr(self, proj)
+        weight = getattr(self, proj)
+        batched = _batched_fake_quant(quantizers, weight.transpose(1, 2) if self.is_transposed else weight)
+        if batched is not None:
+            return batched.transpose(1, 2) if self.is_transposed else batched
         # one unbind for all experts: indexing expert by expert would make autograd add a zero gradient of
         # the whole 3-D weight per expert (quadratic in the number of experts)
-        experts = getattr(self, proj).unbind(0)
+        experts = weight.unbind(0)
         if self.is_transposed:
             return torch.stack([q(w.t()).t() for q, w in zip(quantizers, experts, strict=True)])
         return torch.stack([q(w) for q, w in zip(quantizers, experts, strict=True)])

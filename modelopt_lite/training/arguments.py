@@ -22,8 +22,21 @@ class QuantizationArguments:
     recipe: str = field(
         default="general/qat/nvfp4",
         metadata={"help": "Packaged recipe name (general/qat/nvfp4, ...), a preset name (NVFP4_DEFAULT_CFG) "
-                  "or a path to a recipe YAML file."},
+                  "or a path to a recipe YAML file; with auto_quantize_bits, a comma list of them: the "
+                  "candidate formats."},
     )  # fmt: skip
+    auto_quantize_bits: float | None = field(
+        default=None,
+        metadata={"help": "Search a format per layer group among recipe's comma-separated candidates (and "
+                  "unquantized) under this effective-bits budget (mtq.auto_quantize, as modelopt-lite-ptq "
+                  "--auto_quantize_bits B --qformat a,b), on the calibration data, then train."},
+    )  # fmt: skip
+    auto_quantize_method: str = field(
+        default="gradient", metadata={"help": "Score of the auto_quantize search: gradient or kl_div."}
+    )
+    auto_quantize_score_size: int = field(
+        default=128, metadata={"help": "Calibration samples that score the auto_quantize candidates."}
+    )
     calib_algorithm: str | None = field(
         default=None,
         metadata={"help": f"Calibration algorithm instead of the recipe's ({', '.join(ALGORITHMS)}), so that "
@@ -77,8 +90,15 @@ class QuantizationArguments:
             or not (math.isfinite(multiplier) and multiplier > 0)
         ):
             raise ValueError(f"amax_lr_multiplier={multiplier!r} must be a positive number")
-        self.quantize_config()  # unknown recipe names raise, listing presets and recipes
-        for name in ("calib_size", "calib_batch_size", "calib_seq_len"):
+        candidates = self.quantize_configs()  # unknown recipe names raise, listing presets and recipes
+        if len(candidates) > 1 and self.auto_quantize_bits is None:
+            raise ValueError(
+                f"recipe={self.recipe!r} names {len(candidates)} formats: set auto_quantize_bits to search "
+                "among them, or name one recipe"
+            )
+        if self.auto_quantize_method not in ("gradient", "kl_div"):
+            raise ValueError(f"auto_quantize_method={self.auto_quantize_method!r} must be gradient or kl_div")
+        for name in ("calib_size", "calib_batch_size", "calib_seq_len", "auto_quantize_score_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
@@ -93,11 +113,17 @@ class QuantizationArguments:
         if self.gc_refreeze_every is not None and self.gc_refreeze_every < 1:
             raise ValueError(f"gc_refreeze_every={self.gc_refreeze_every!r} must be >= 1 or unset")
 
-    def quantize_config(self) -> QuantizeConfig:
-        """The config the trainers quantize with: the recipe, with ``calib_algorithm`` replacing its
-        algorithm and, with ``learn_amax``, ``learn_amax: True`` added to every rule that sets a static INT /
-        FP8 quantizer (rules of NVFP4 / MX / dynamic quantizers are kept as written)."""
-        config = resolve_config(self.recipe)
+    def quantize_configs(self) -> list[QuantizeConfig]:
+        """:meth:`quantize_config` of each comma-separated name of ``recipe`` (several are the candidates of
+        ``auto_quantize_bits``)."""
+        return [self.quantize_config(name.strip()) for name in self.recipe.split(",")]
+
+    def quantize_config(self, recipe: str | None = None) -> QuantizeConfig:
+        """The config the trainers quantize with: the recipe (or ``recipe``; the first candidate under
+        ``auto_quantize_bits``), with ``calib_algorithm`` replacing its algorithm and, with ``learn_amax``,
+        ``learn_amax: True`` added to every rule that sets a static INT / FP8 quantizer (rules of NVFP4 /
+        MX / dynamic quantizers are kept as written)."""
+        config = resolve_config(recipe or self.recipe.split(",")[0].strip())
         if self.calib_algorithm is not None and self.calib_algorithm != config.algorithm_name:
             config = QuantizeConfig(config.quant_cfg, self.calib_algorithm)
         if self.learn_amax:

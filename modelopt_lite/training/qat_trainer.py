@@ -27,12 +27,13 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
 from ..distributed import all_ranks_succeed, all_reduce_max, is_sharded, rank, unsharded_class, world_size
+from ..export.ptq import AUTO_QUANTIZE_DISABLED
 from ..export.shards import ShardWriter
 from ..logging import get_logger
 from ..opt.checkpoint import STATE_FILE
 from ..opt.hf import attached
 from ..opt.state import modelopt_state, restore_from_modelopt_state
-from ..quantization import need_calibration, quant_state, quantize
+from ..quantization import auto_quantize, need_calibration, quant_state, quantize
 from ..quantization.compress import compressed_layers
 from ..quantization.config import plain
 from .arguments import QuantizationArguments
@@ -204,6 +205,9 @@ class QATTrainer(Trainer):
         if quant_state(model) is not None:
             logger.info("model already quantized (restored quantizer state): skipping calibration")
             return
+        if self.quant_args.auto_quantize_bits is not None:
+            self._auto_quantize()
+            return
         config = self.quant_args.quantize_config()
         batches = self._calibration_batches() if need_calibration(config) else None
         samples = sum(len(next(iter(b.values()))) for b in batches or [])
@@ -213,6 +217,31 @@ class QATTrainer(Trainer):
             ", learnable amax" if self.quant_args.learn_amax else "",
         )  # fmt: skip
         quantize(model, config, batches, self.quant_args.experts_implementation)
+
+    def _auto_quantize(self) -> None:
+        """``mtq.auto_quantize`` among the recipe's candidates under ``auto_quantize_bits``, calibrated and
+        scored on the calibration batches (the loss is the model's own on ``labels = input_ids``)."""
+        quant = self.quant_args
+        if quant.experts_implementation and hasattr(self.model, "set_experts_implementation"):
+            self.model.set_experts_implementation(quant.experts_implementation)
+        data = [{**b, "labels": _labels(b)} for b in self._calibration_batches()]
+        gradient = quant.auto_quantize_method == "gradient"
+        logger.info(
+            "auto_quantize: %s under %g effective bits (%s), %d calibration batch(es)",
+            quant.recipe, quant.auto_quantize_bits, quant.auto_quantize_method, len(data),
+        )  # fmt: skip
+        auto_quantize(
+            self.model,
+            {"effective_bits": quant.auto_quantize_bits},
+            list(quant.quantize_configs()),
+            data,
+            (lambda m, b: m(**b)) if gradient else (lambda m, b: m(input_ids=b["input_ids"]).logits),
+            (lambda output, b: output.loss) if gradient else None,
+            num_calib_steps=len(data),
+            num_score_steps=min(len(data), max(quant.auto_quantize_score_size // quant.calib_batch_size, 1)),
+            disabled_layers=AUTO_QUANTIZE_DISABLED,
+            method=quant.auto_quantize_method,
+        )
 
     # -- optimizer ---------------------------------------------------------------------------------------
     def get_decay_parameter_names(self, model: torch.nn.Module) -> list[str]:
@@ -352,3 +381,10 @@ class QATTrainer(Trainer):
     def prediction_step(self, *args: Any, **kwargs: Any):
         self.gc_policy.evaluation_step()
         return super().prediction_step(*args, **kwargs)
+
+
+def _labels(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``input_ids`` as labels, padding (``attention_mask == 0``) ignored."""
+    mask = batch.get("attention_mask")
+    ids = batch["input_ids"]
+    return ids if mask is None else ids.masked_fill(mask == 0, -100)

@@ -359,3 +359,30 @@ def test_ptq_cli_searches_the_qformat_candidates_and_exports(tmp_path, lib_caplo
     assert "reachable range" in lib_caplog.text
     with pytest.raises(SystemExit):
         main([*args[:-5], "nvfp4_awq,fp8", "--auto_quantize_bits", "6.0"])
+
+
+# ------------------------------------------------------------------------------------------------ trainer
+def test_qat_trainer_with_auto_quantize_bits_trains_a_mixed_precision_model(tmp_path):
+    from modelopt_lite.training import QATTrainer, QuantizationArguments
+
+    from ._training import CountingData, cpu_args
+
+    with pytest.raises(ValueError, match="set auto_quantize_bits"):
+        QuantizationArguments(recipe="NVFP4_DEFAULT_CFG,FP8_DEFAULT_CFG")
+    quant = QuantizationArguments(
+        recipe="NVFP4_DEFAULT_CFG,FP8_DEFAULT_CFG", auto_quantize_bits=6.0, calib_size=4, calib_batch_size=2
+    )
+    trainer = QATTrainer(
+        model=tiny_llama(),
+        args=cpu_args(tmp_path, max_steps=1),
+        train_dataset=CountingData(),
+        quant_args=quant,
+    )
+    trainer.train()
+    weights = {
+        name: q.num_bits
+        for name, q in trainer.model.named_modules()
+        if name.endswith("weight_quantizer") and isinstance(q, mtq.TensorQuantizer) and q.is_enabled
+    }
+    assert set(weights.values()) == {(2, 1), (4, 3)}, weights  # NVFP4 and FP8 layers: a mixed model
+    assert mtq.quant_state(trainer.model) is not None  # an ordinary quantized model (save, export)

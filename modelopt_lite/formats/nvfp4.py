@@ -17,7 +17,7 @@ import torch
 
 from ._blocks import BlockLayout
 from ._chunks import map_rows
-from .rounding import TINY_AMAX, e2m1_index, e2m1_round, e2m1_tables, true_div
+from .rounding import E4M3, TINY_AMAX, e2m1_index, e2m1_round, e2m1_tables, minifloat_round, true_div
 
 __all__ = [
     "NVFP4_BLOCK",
@@ -45,8 +45,9 @@ def nvfp4_global_scale(global_amax: torch.Tensor) -> torch.Tensor:
 def nvfp4_block_scales(block_amax: torch.Tensor, s2: torch.Tensor) -> torch.Tensor:
     """Per-block scale ``fp8(clamp(block_amax / (6 * s2), 2**-9, 448))`` as float32 (zero becomes 1)."""
     s = block_amax / (s2 * 6.0)
-    s = torch.where(s == 0, torch.ones_like(s), s).clamp_(_MIN_BLOCK_SCALE, 448.0)
-    return s.to(torch.float8_e4m3fn).float()
+    s = s.masked_fill_(s == 0, 1.0).clamp_(_MIN_BLOCK_SCALE, 448.0)
+    # the FP8 cast's value (s lies in E4M3's range), several times faster on the CPU than the cast
+    return minifloat_round(s, E4M3, out=s)
 
 
 def nvfp4_fake_quant(

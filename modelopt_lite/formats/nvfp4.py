@@ -67,19 +67,24 @@ def nvfp4_fake_quant(
     if global_amax is None:
         global_amax = blocks.abs().amax()
     global_amax = global_amax.to(device=x.device, dtype=torch.float32)
-    if global_amax.numel() > 1:  # one per block, in the blocks' (row-major) order
+    tiny = global_amax <= TINY_AMAX
+    if bool(tiny.all()):
+        return torch.zeros_like(x)
+    s2, zero = nvfp4_global_scale(global_amax), None
+    if global_amax.numel() > 1:  # a batch: one scale per block, in the blocks' (row-major) order
         if global_amax.ndim > x.ndim or global_amax.shape[-1:] != (1,):
             raise ValueError(
                 f"a global amax of shape {tuple(global_amax.shape)} must broadcast against the input "
                 f"{tuple(x.shape)} with size 1 in the last axis, e.g. one per expert as (experts, 1, 1)"
             )
-        per_row = global_amax.broadcast_to((*x.shape[:-1], 1))
-        global_amax = per_row.expand(*x.shape[:-1], blocks.shape[0] // max(per_row.numel(), 1)).reshape(-1, 1)
-    tiny = global_amax <= TINY_AMAX
-    if bool(tiny.all()):
-        return torch.zeros_like(x)
-    # a tensor of the batch with a zero global amax is all zero (it divides by 1, then is masked)
-    s2 = nvfp4_global_scale(global_amax if global_amax.ndim == 0 else global_amax.masked_fill(tiny, 1.0))
+        blocks_per_row = blocks.shape[0] // max(x.numel() // max(x.shape[-1], 1), 1)
+
+        def per_block(t: torch.Tensor) -> torch.Tensor:
+            return t.broadcast_to((*x.shape[:-1], 1)).expand(*x.shape[:-1], blocks_per_row).reshape(-1, 1)
+
+        # a tensor of the batch with a zero global amax is all zero (it divides by 1, then is masked)
+        zero = per_block(tiny) if bool(tiny.any()) else None
+        s2 = per_block(s2 if zero is None else nvfp4_global_scale(global_amax.masked_fill(tiny, 1.0)))
 
     def quantize_rows(rows: torch.Tensor, out: torch.Tensor, s2: torch.Tensor) -> torch.Tensor:
         mag = torch.abs(rows, out=out) if rows.dtype == torch.float32 else out.copy_(rows).abs_()
@@ -90,8 +95,8 @@ def nvfp4_fake_quant(
         return e2m1_round(mag.div_(step), out=mag).copysign_(rows).mul_(step)
 
     out = map_rows(quantize_rows, blocks, s2)
-    if global_amax.ndim and bool(tiny.any()):
-        out.masked_fill_(tiny, 0.0)
+    if zero is not None:
+        out.masked_fill_(zero, 0.0)
     return layout.merge(out).to(x.dtype)
 
 

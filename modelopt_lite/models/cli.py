@@ -2,7 +2,7 @@
 
 ``modelopt-lite-default-model --kind all`` builds both (a few minutes each on CPU the first time);
 ``--kind moe --force`` trains the MoE model again and replaces the cached one. The benchmark models
-(``--kind bench-dense``, ``bench-moe``, or ``bench`` for both; about 15 minutes each on 2 CPU threads) are
+(``--kind bench-dense``, ``bench-moe``, or ``bench`` for both; about 10 minutes each on one CPU thread) are
 not part of ``all``.
 """
 

@@ -4,7 +4,9 @@
 
 ``SPEC.json`` (written by ``peers.py``): ``model_dir`` (the benchmark model, a Hugging Face folder),
 ``data`` (a safetensors file: ``train`` / ``calib`` / ``validation`` / ``test`` token windows), ``formats``,
-``steps``, ``batch_size``, ``lr``, ``seed``, ``temperature``, ``threads``, ``calib_batch``.
+``steps``, ``batch_size``, ``lr``, ``seed``, ``temperature``, ``threads``, ``calib_batch``; for the
+``modelopt_auto_quantize`` peer (``benchmarks/auto_quantize.py``) ``formats`` is ``["auto_quantize"]`` and
+``auto_quantize`` holds the search settings.
 
 Imports torch, transformers, safetensors and the peer library. Of this repository it imports only the
 measuring functions of ``benchmarks/accuracy.py`` (training windows, perplexity, KL, training arguments),
@@ -22,6 +24,7 @@ import json
 import re
 import sys
 import tempfile
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -210,7 +213,48 @@ def modelopt_rows(run: Run, fmt: str) -> None:
     run.add(f"modelopt qad {fmt}", "qad", fmt, qad, **stats)
 
 
-PEERS = {"torchao": torchao_rows, "modelopt": modelopt_rows}
+def modelopt_auto_quantize_rows(run: Run, _fmt: str) -> None:
+    """nvidia-modelopt's ``mtq.auto_quantize`` for ``benchmarks/auto_quantize.py --reference-python``, with
+    the spec's ``auto_quantize`` settings (``formats``, ``method``, ``search_bits``, ``budgets``,
+    ``score_steps``, ``disabled_layers``, ``repeats``): ``repeats`` searches on the calibration batches
+    (``input_ids`` and ``labels``, the loss the model's own), each timed; then per budget the assignment
+    solved again from the search state (``get_auto_quantize_config``) and quantized on a fresh copy of the
+    model with ``mtq.quantize`` on the same batches, as our rows are."""
+    import modelopt.torch.quantization as mtq
+    import torch
+
+    aq = run.spec["auto_quantize"]
+    data = [{"input_ids": b, "labels": b} for b in run.calib]
+    gradient = aq["method"] == "gradient"
+    times = []
+    for _ in range(aq["repeats"]):  # a fresh copy each time; the last search's state is kept
+        start = time.perf_counter()
+        _, state = mtq.auto_quantize(
+            copy.deepcopy(run.base), {"effective_bits": aq["search_bits"]}, list(aq["formats"]), data,
+            (lambda m, b: m(**b)) if gradient else (lambda m, b: m(input_ids=b["input_ids"]).logits),
+            (lambda out, b: out.loss) if gradient else None,
+            num_calib_steps=len(data), num_score_steps=aq["score_steps"], method=aq["method"],
+            disabled_layers=aq["disabled_layers"] or None,
+        )  # fmt: skip
+        times.append(time.perf_counter() - start)
+    run.rows.append({"name": f"modelopt search {aq['method']}", "times": times})
+
+    def forward_loop(m: Any) -> None:
+        with torch.no_grad():
+            for batch in run.calib:
+                m(input_ids=batch)
+
+    for bits in aq["budgets"]:
+        config = mtq.get_auto_quantize_config(state, {"effective_bits": bits})
+        model = mtq.quantize(copy.deepcopy(run.base), config, forward_loop)
+        run.add(f"modelopt {aq['method']}", "auto_quantize", "", model, bits=bits)
+
+
+PEERS = {
+    "torchao": torchao_rows,
+    "modelopt": modelopt_rows,
+    "modelopt_auto_quantize": modelopt_auto_quantize_rows,
+}
 
 
 def versions(peer: str) -> dict[str, str]:

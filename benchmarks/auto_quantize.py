@@ -24,19 +24,33 @@ format, from the same search state (4.5 and 8 bits); ``preset ...``: the presets
 unquantized), for reference. At 6.0 bits ``removed`` is ``(ppl_nvfp4 - ppl_row) / (ppl_nvfp4 - ppl_fp8)``
 with the uniform rows: the share of uniform NVFP4's perplexity excess over uniform FP8 that the mixed
 assignment removes (issue target: >= 65%).
+
+``--formats`` changes the candidates (narrowest first); ``--disabled-layers`` keeps layers unquantized (they
+count at 16 bits, as in the reference). ``--reference-python PY`` (default ``$MODELOPT_REFERENCE_PYTHON``)
+also runs nvidia-modelopt's ``mtq.auto_quantize`` under ``PY`` (``benchmarks/_peer_worker.py``, peer
+``modelopt_auto_quantize``, as ``benchmarks/peers.py`` runs its peers): same model folder, calibration and
+score batches, candidates, budgets and method, timed and measured by the same perplexity function
+(``modelopt ...`` rows). Its formats must run on CPU: ``--formats
+INT4_BLOCKWISE_WEIGHT_ONLY_CFG,INT8_WEIGHT_ONLY_CFG`` (its NVFP4 needs CUDA).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import statistics
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
+import _harness as h
 import accuracy
+import peers
 
-FORMATS = ["NVFP4_DEFAULT_CFG", "FP8_DEFAULT_CFG"]
+FORMATS = "NVFP4_DEFAULT_CFG,FP8_DEFAULT_CFG"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -44,18 +58,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="bench-dense", choices=accuracy.MODELS)
     p.add_argument("--bits", default="4.5,5,5.5,6,6.5,7,7.5,8,8.5")
     p.add_argument("--methods", default="gradient,kl_div")
+    p.add_argument("--formats", default=FORMATS, help="candidates, narrowest first (unquantized is added)")
+    p.add_argument("--disabled-layers", default="", help="comma-separated fnmatch patterns kept unquantized")
+    p.add_argument("--reference-python", default=h.default_reference_python(), help="nvidia-modelopt's")
     p.add_argument("--random-seeds", default="0,1,2")
     p.add_argument("--calib-size", type=int, default=32, help="calibration windows of 256 tokens")
     p.add_argument("--score-size", type=int, default=16, help="of them, the windows that score the formats")
     p.add_argument("--eval-windows", type=int, default=None, help="cap on validation / test windows")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=1, help="searches per method (and reference); median time")
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--quick", action="store_true", help="a smoke run: 4 windows everywhere, budgets 4.5,6,8")
     args = p.parse_args(argv)
     if args.quick:
         args.calib_size, args.score_size, args.eval_windows, args.bits = 4, 4, 4, "4.5,6,8"
     args.seq_len = accuracy.CALIB_SEQ  # (load_data's training windows, unused here)
+    args.formats, args.disabled_layers = accuracy._csv(args.formats), accuracy._csv(args.disabled_layers)
     return args
+
+
+def _seconds(times: list[float]) -> dict[str, Any]:
+    """The median of the search times, and all of them."""
+    return {"seconds": round(statistics.median(times), 2), "all_seconds": [round(t, 2) for t in times]}
 
 
 def _random_state(state: dict[str, Any], seed: int) -> dict[str, Any]:
@@ -73,6 +97,53 @@ def _uniform(state: dict[str, Any], fmt: str) -> dict[str, Any]:
     return {**state, "best": {"recipe": dict.fromkeys(state["candidate_stats"], fmt)}}
 
 
+def reference_rows(args: argparse.Namespace, method: str, data: dict[str, Any], budgets: list[float]) -> list:
+    """nvidia-modelopt's search and rows (``modelopt_auto_quantize`` peer under ``--reference-python``) on
+    the data ``accuracy.load_data`` made (written to a safetensors file with ``peers.export_data``)."""
+    from modelopt_lite.models import default_model_path
+
+    with tempfile.TemporaryDirectory(prefix="aq-peer-") as work:
+        data_path, spec_path = os.path.join(work, "data.safetensors"), os.path.join(work, "spec.json")
+        peers.export_data(data_path, data["evals"], data["calib"], data["train"])
+        aq = {
+            "formats": args.formats,
+            "method": method,
+            "search_bits": data["search_bits"],
+            "budgets": budgets,
+            "score_steps": data["score_steps"],
+            "disabled_layers": args.disabled_layers,
+            "repeats": args.repeats,
+        }
+        spec = {
+            "model_dir": str(default_model_path(args.model, train_if_missing=False)),
+            "data": data_path,
+            "formats": ["auto_quantize"],
+            "threads": args.threads,
+            "calib_batch": accuracy.CALIB_BATCH,
+            "auto_quantize": aq,
+        }
+        Path(spec_path).write_text(json.dumps(spec))
+        res = peers.run_peer("modelopt_auto_quantize", args.reference_python, spec_path, args.threads)
+    if "error" in res or res.get("errors"):
+        print(f"reference: {res.get('error') or res['errors']}", flush=True)
+    out = []
+    for r in res.get("rows", []):
+        if r["name"].startswith("modelopt search"):
+            out.append(
+                {"row": r["name"].replace("modelopt search", "search modelopt"), **_seconds(r["times"])}
+            )
+        elif r["method"] == "auto_quantize":
+            out.append(
+                {
+                    "row": r["name"],
+                    "bits": r["bits"],
+                    "validation_ppl": r["val_ppl"],
+                    "test_ppl": r["test_ppl"],
+                }
+            )
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     accuracy.setup(args.threads)
@@ -80,10 +151,11 @@ def main(argv: list[str] | None = None) -> int:
 
     import modelopt_lite.quantization as mtq
 
-    base, _, evals, calib, _ = accuracy.load_data(args.model, args)
+    base, _, evals, calib, train = accuracy.load_data(args.model, args)
     data = [{"input_ids": b, "labels": b} for b in calib]
     score_steps = max(1, args.score_size // accuracy.CALIB_BATCH)
     budgets = [float(b) for b in args.bits.split(",")]
+    search_bits = max(budgets)  # any budget would do: every row is solved again from the scores
 
     def measure(config: dict[str, Any]) -> dict[str, float]:
         model = mtq.quantize(copy.deepcopy(base), config, calib)
@@ -94,20 +166,28 @@ def main(argv: list[str] | None = None) -> int:
     ]
     states = {}
     for method in args.methods.split(","):
-        start = time.perf_counter()
         forward = (
             (lambda m, b: m(**b))
             if method == "gradient"
             else (lambda m, b: m(input_ids=b["input_ids"]).logits)
         )
-        _, states[method] = mtq.auto_quantize(
-            copy.deepcopy(base), {"effective_bits": 8.0}, FORMATS, data, forward,
-            (lambda out, b: out.loss) if method == "gradient" else None,
-            num_calib_steps=len(data), num_score_steps=score_steps, method=method,
-        )  # fmt: skip
-        rows.append({"row": f"search {method}", "seconds": round(time.perf_counter() - start, 1)})
+        times, peak = [], 0.0
+        for _ in range(args.repeats):  # a fresh copy each time; the last search's state is kept
+            model = copy.deepcopy(base)
+            _, before = h.reset_peak_rss("peak RSS of the process")
+            start = time.perf_counter()
+            _, states[method] = mtq.auto_quantize(
+                model, {"effective_bits": search_bits}, args.formats, data, forward,
+                (lambda out, b: out.loss) if method == "gradient" else None,
+                num_calib_steps=len(data), num_score_steps=score_steps, method=method,
+                disabled_layers=args.disabled_layers or None,
+            )  # fmt: skip
+            times.append(time.perf_counter() - start)
+            peak = max(peak, h.status_mb("VmHWM") - before)
+            del model
+        rows.append({"row": f"search {method}", **_seconds(times), "peak_mb": round(peak, 1)})
     any_state = next(iter(states.values()))
-    for fmt in FORMATS:
+    for fmt in args.formats:
         rows.append(
             {"row": f"uniform {fmt}", **measure(mtq.get_auto_quantize_config(_uniform(any_state, fmt)))}
         )
@@ -129,22 +209,29 @@ def main(argv: list[str] | None = None) -> int:
                 }
             )
         print(json.dumps([r for r in rows if r.get("bits") == bits]), flush=True)
-    for preset in FORMATS:  # the presets themselves (lm_head excluded), for reference
+    if args.reference_python:
+        shared = {"evals": evals, "calib": calib, "train": train, "search_bits": search_bits}
+        for method in args.methods.split(","):
+            rows += reference_rows(args, method, {**shared, "score_steps": score_steps}, budgets)
+    else:
+        print(f"nvidia-modelopt skipped ({h.no_reference_python()})", flush=True)
+    for preset in args.formats:  # the presets themselves (lm_head excluded), for reference
         rows.append({"row": f"preset {preset}", **measure(mtq.get_preset(preset))})
-    _summarize(rows)
+    _summarize(rows, args.formats)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(rows, f, indent=1)
     return 0
 
 
-def _summarize(rows: list[dict[str, Any]]) -> None:
+def _summarize(rows: list[dict[str, Any]], formats: list[str]) -> None:
     by = {r["row"]: r for r in rows}
-    nvfp4, fp8 = (by.get(f"uniform {fmt}") for fmt in FORMATS)
+    nvfp4, fp8 = by.get(f"uniform {formats[0]}"), by.get(f"uniform {formats[-1]}")
     print("| row | bits | val ppl | test ppl | removed (test) |\n|---|---|---|---|---|")
     for r in rows:
         if "test_ppl" not in r:
-            print(f"| {r['row']} | | | | {r['seconds']} s |")
+            peak = f", {r['peak_mb']} MB extra peak RSS" if "peak_mb" in r else ""
+            print(f"| {r['row']} | | | | {r['seconds']} s{peak} |")
             continue
         removed = ""
         if nvfp4 and fp8 and r.get("bits") == 6.0 and nvfp4["test_ppl"] > fp8["test_ppl"]:

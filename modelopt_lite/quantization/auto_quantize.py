@@ -377,8 +377,9 @@ def _gradient_scores(
 
         def on_grad(grad: torch.Tensor) -> None:
             fired[0] = True
+            grad = grad.float()
             for g, k, diff in diffs:
-                scores[g, k] += float((grad.float() * diff.float()).clamp(-1e10, 1e10).square().sum())
+                scores[g, k] += float((grad * diff.float()).clamp(-1e10, 1e10).square().sum())
 
         out.register_hook(on_grad)
 

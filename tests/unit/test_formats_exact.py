@@ -264,3 +264,22 @@ def test_e2m1_packing_layout_and_round_trip():
     assert torch.equal(torch.signbit(unpack_e2m1(packed)), torch.signbit(vals))
     with pytest.raises(ValueError, match="even last dimension"):
         pack_e2m1(torch.zeros(1, 3))
+
+
+def test_fast_e2m1_rounding_and_nvfp4_block_scales_equal_the_plain_formulas():
+    # e2m1_round (saturate, add and subtract a power-of-two constant) against minifloat_round, and the NVFP4
+    # block scale (arithmetic E4M3 rounding) against the FP8 cast, over float32 bit patterns of every exponent
+    from modelopt_lite.formats.nvfp4 import nvfp4_block_scales
+    from modelopt_lite.formats.rounding import E2M1, minifloat_round
+
+    bits = torch.arange(0, 0x7F800000 + 1, 997, dtype=torch.int32)
+    a = torch.cat(
+        [bits.view(torch.float32), torch.tensor([float("inf"), float("nan"), 0.25, 0.75, 5.0, 7.0])]
+    )
+    expect = minifloat_round(a.clone(), E2M1)
+    assert torch.equal(e2m1_round(a.clone()).nan_to_num(-1.0), expect.nan_to_num(-1.0))
+    s2 = torch.tensor(2.0**-7)
+    s = a / (s2 * 6.0)
+    s = s.masked_fill(s == 0, 1.0).clamp(2.0**-9, 448.0)  # the block scale before its FP8 cast
+    cast = s.to(torch.float8_e4m3fn).float()
+    assert torch.equal(nvfp4_block_scales(a, s2).nan_to_num(-1.0), cast.nan_to_num(-1.0))

@@ -46,7 +46,8 @@ FORMATS = ("nvfp4", "int4", "fp8")
 OUR_PTQ = {"nvfp4": "nvfp4_nokv", "int4": "int4", "fp8": "fp8"}  # format -> accuracy.py PTQ row
 WORKER = str(Path(__file__).with_name("_peer_worker.py"))
 #: what --make-venvs installs next to this interpreter's torch / transformers / accelerate / safetensors
-PEER_PACKAGES = {"torchao": ["torchao==0.18.*"], "modelopt": ["nvidia-modelopt==0.47.*"]}
+#: (nvidia-modelopt 0.47 imports ``requests`` without declaring it)
+PEER_PACKAGES = {"torchao": ["torchao==0.18.*"], "modelopt": ["nvidia-modelopt==0.47.*", "requests"]}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -86,25 +87,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def make_venvs(root: str) -> None:
     """``root/torchao`` and ``root/modelopt``: torch, transformers, accelerate and safetensors at this
-    interpreter's versions (a ``+cpu`` torch from the CPU wheel index) and the peer library."""
+    interpreter's versions and the peer library. torch is pinned without its local tag (``+cpu``): pip
+    takes a matching CPU build where one is at hand (a local wheel, or PyTorch's CPU index given in
+    ``PIP_EXTRA_INDEX_URL``), else the registry's default build."""
     import accelerate
     import safetensors
     import torch
     import transformers
 
     common = [
-        f"torch=={torch.__version__}",  # "+cpu" builds come from PyTorch's CPU index
+        f"torch=={torch.__version__.split('+')[0]}",
         f"transformers=={transformers.__version__}",
         f"accelerate=={accelerate.__version__}",
         f"safetensors=={safetensors.__version__}",
     ]
-    index = (
-        ["--extra-index-url", "https://download.pytorch.org/whl/cpu"] if "+cpu" in torch.__version__ else []
-    )
     for name, packages in PEER_PACKAGES.items():
         venv = Path(root) / name
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        pip = [str(venv / "bin" / "python"), "-m", "pip", "install", *index]
+        pip = [str(venv / "bin" / "python"), "-m", "pip", "install"]
         subprocess.run([*pip, *common, *packages], check=True)
     print(
         f"export {TORCHAO_PYTHON_ENV}={Path(root, 'torchao', 'bin', 'python')}\n"

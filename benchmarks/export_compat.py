@@ -17,12 +17,15 @@ Differences found with nvidia-modelopt 0.47 (2026-11-29, and why): FP8 weight co
 a few percent of the elements because the reference divides the bf16 weight by a 0-dim float32 scale, which
 PyTorch computes in bf16 (rounded twice); ours rounds once from float32, as its fake quantization does. NVFP4
 exports are identical (``pack_e2m1`` writes a negative value that rounds to zero as 0x8, as the reference
-does). Scales, names, dtypes and shapes are identical.
+does). Scales, names, dtypes and shapes are identical. ``MIXED_NVFP4_FP8`` (NVFP4 with layer 0's linears in
+FP8, the layout ``mtq.auto_quantize`` exports; 2026-12-02): both write ``MIXED_PRECISION`` with identical
+``quantized_layers``; ours also lists ``exclude_modules``.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import subprocess
@@ -32,7 +35,9 @@ import tempfile
 import _harness as h
 from calibrate import _borrow_transformers, _reference_usable  # sibling benchmark (stdlib only)
 
-CONFIGS = ["FP8_DEFAULT_CFG", "NVFP4_DEFAULT_CFG"]
+CONFIGS = ["FP8_DEFAULT_CFG", "NVFP4_DEFAULT_CFG", "MIXED_NVFP4_FP8"]
+#: a mixed-precision model, as ``mtq.auto_quantize`` leaves one: NVFP4 everywhere, layer 0's linears in FP8
+MIXED = {"MIXED_NVFP4_FP8": ("NVFP4_DEFAULT_CFG", "*layers.0.*", {"num_bits": (4, 3), "axis": None})}
 
 
 def _child(side: str, config: str, out: str) -> None:
@@ -60,7 +65,16 @@ def _child(side: str, config: str, out: str) -> None:
             for x in data:
                 m(x)
 
-    mtq.quantize(model, getattr(mtq, config), loop)
+    if config in MIXED:  # the same rules appended on both sides (both take the list form of quant_cfg)
+        base, pattern, fp8 = MIXED[config]
+        cfg = copy.deepcopy(getattr(mtq, base))
+        cfg["quant_cfg"] = list(cfg["quant_cfg"]) + [
+            {"quantizer_name": f"{pattern}{q}", "cfg": dict(fp8)}
+            for q in ("weight_quantizer", "input_quantizer")
+        ]
+    else:
+        cfg = getattr(mtq, config)
+    mtq.quantize(model, cfg, loop)
     if side == "ours":
         export_hf_checkpoint(model, out)
     else:
@@ -157,6 +171,9 @@ def _compare(ours: str, ref: str) -> dict:
         "quantization_config_keys": _key_diff(ca, cb),
         "quant_algo": [qa["quantization"].get("quant_algo"), qb["quantization"].get("quant_algo")],
         "exclude_modules": [q["quantization"].get("exclude_modules") for q in (qa, qb)],
+        # the per-layer formats of a MIXED_PRECISION checkpoint (None for one format)
+        "quantized_layers_equal": qa["quantization"].get("quantized_layers")
+        == qb["quantization"].get("quantized_layers"),
         "max_abs_diff_scales": {
             k: float((a[k].float() - b[k].float()).abs().max())
             for k in value_diff

@@ -15,6 +15,7 @@ from ..quantization.config import ALGORITHMS, QuantRule
 __all__ = ["DistillationArguments", "QuantizationArguments"]
 
 _EXPERTS = ("eager", "grouped_mm")
+_MALLOC_TUNING = ("auto", "on", "off")
 
 
 @dataclass
@@ -75,6 +76,18 @@ class QuantizationArguments:
     gc_refreeze_every: int | None = field(
         default=None, metadata={"help": "Unfreeze, collect and freeze again every N optimizer steps."}
     )
+    malloc_tuning: str = field(
+        default="auto",
+        metadata={"help": "During train(), raise glibc's mmap / trim thresholds (mallopt) so that large "
+                  "temporaries are reused from the heap instead of page-faulted in again every step; "
+                  "restored when train() returns. auto: on when training on the CPU; on; off. A no-op "
+                  "without glibc and when MALLOC_*_ / GLIBC_TUNABLES set the allocator."},
+    )  # fmt: skip
+    malloc_mmap_threshold_mb: int = field(
+        default=1024,
+        metadata={"help": "With malloc_tuning: blocks up to this many MiB come from the heap (the trim "
+                  "threshold is twice this, at most 2 GiB)."},
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         if self.calib_algorithm is not None and self.calib_algorithm not in ALGORITHMS:
@@ -112,6 +125,13 @@ class QuantizationArguments:
             raise ValueError(f"experts_implementation={self.experts_implementation!r} (allowed: {_EXPERTS})")
         if self.gc_refreeze_every is not None and self.gc_refreeze_every < 1:
             raise ValueError(f"gc_refreeze_every={self.gc_refreeze_every!r} must be >= 1 or unset")
+        if self.malloc_tuning not in _MALLOC_TUNING:
+            raise ValueError(f"malloc_tuning={self.malloc_tuning!r} (allowed: {', '.join(_MALLOC_TUNING)})")
+        mb = self.malloc_mmap_threshold_mb
+        if isinstance(mb, bool) or not isinstance(mb, int) or not 1 <= mb <= 2047:
+            raise ValueError(
+                f"malloc_mmap_threshold_mb={mb!r} must be an integer from 1 to 2047 (mallopt's limit)"
+            )
 
     def quantize_configs(self) -> list[QuantizeConfig]:
         """:meth:`quantize_config` of each comma-separated name of ``recipe`` (several are the candidates of

@@ -11,6 +11,9 @@ Control flow of ``train()``:
 2. ``Trainer.train`` runs the loop; ``training_step`` collects garbage first, a callback freezes the
    collector after the first optimizer step;
 3. on exit (also on error) the collector is unfrozen if this trainer froze it.
+
+With ``quant_args.malloc_tuning`` (``auto``: when training on the CPU), steps 1-2 run with glibc's mmap and
+trim thresholds raised (:class:`~modelopt_lite.allocator.MallocPolicy`), set back on exit, also on error.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from accelerate.utils import DistributedType
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
+from ..allocator import MallocPolicy
 from ..distributed import all_ranks_succeed, all_reduce_max, is_sharded, rank, unsharded_class, world_size
 from ..export.ptq import AUTO_QUANTIZE_DISABLED
 from ..export.shards import ShardWriter
@@ -130,6 +134,9 @@ class QATTrainer(Trainer):
         self.calib_dataset = calib_dataset
         self.gc_policy = GCPolicy(self.quant_args.manual_gc, self.quant_args.gc_refreeze_every)
         self.add_callback(_GCCallback(self.gc_policy))
+        tuning = self.quant_args.malloc_tuning
+        on = tuning == "on" or (tuning == "auto" and self.args.device.type == "cpu")
+        self.malloc_policy = MallocPolicy(on, self.quant_args.malloc_mmap_threshold_mb * 2**20)
         self._amax_params: dict[str, torch.nn.Parameter] = {}
         self.add_callback(_AmaxCheckCallback(self))
         self._check_launch()
@@ -359,6 +366,13 @@ class QATTrainer(Trainer):
 
     # -- the loop ----------------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
+        self.malloc_policy.apply()
+        try:
+            return self._train(resume_from_checkpoint, *args, **kwargs)
+        finally:
+            self.malloc_policy.close()
+
+    def _train(self, resume_from_checkpoint: str | bool | None, *args: Any, **kwargs: Any):
         if resume_from_checkpoint is True:
             resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:

@@ -2,11 +2,21 @@
 
 ``import modelopt_lite.export`` registers ``quant_method: "modelopt"`` with transformers' public registration
 API (``register_quantization_config`` / ``register_quantizer``), so ``AutoModelForCausalLM.from_pretrained
-(export_dir)`` works. The quantizer only dequantizes: each layer's stored tensors (``weight``, its scales, an
-unfolded ``pre_quant_scale``) become one dense weight in the loading op that transformers runs before its own
-conversions (so per-expert tensors are dequantized before they are merged into fused experts).
+(export_dir)`` works. By default the quantizer dequantizes: each layer's stored tensors (``weight``, its
+scales, an unfolded ``pre_quant_scale``) become one dense weight in the loading op that transformers runs
+before its own conversions (so per-expert tensors are dequantized before they are merged into fused experts).
 ``input_scale`` / ``k_scale`` / ``v_scale`` (and an affine KV cache's ``k_bias`` / ``v_bias``) are dropped:
 the loaded model computes with dense activations.
+
+With ``dequantize=False`` in the quantization config (transformers' name for this loading option;
+:func:`load_hf_checkpoint` ``compress=True`` sets it) the linear layers keep the stored tensors packed: each
+becomes the compressed layer of ``mtq.compress`` (:func:`~modelopt_lite.quantization.compress.packed_linear`),
+which dequantizes its weight on the fly in each forward and computes what the dequantized load computes
+(bit for bit, a ``pre_quant_scale`` aside: it scales the input instead of the weight's columns). With
+``int8_gemm=True`` (``None``: where it is fast) W8A8 layers run torchao's int8 GEMM instead, quantizing
+activations with the stored ``input_scale`` as an engine does (outputs then differ from the dequantized load
+by that activation quantization). Fused MoE experts load dequantized (as ``mtq.compress`` leaves them
+fake-quantized): one INFO line per format names every quantized weight that loads in full precision.
 
 :func:`load_hf_checkpoint` adds the checks of ``hf_quant_config.json`` (missing or malformed: a clear error).
 """
@@ -40,6 +50,15 @@ from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from ..logging import get_logger
+from ..quantization.compress import (
+    KERNELS,
+    CompressedLinear,
+    compressed_layers,
+    fast_int8_gemm,
+    packed_linear,
+    require_torchao,
+    use_int8_gemm,
+)
 from .hf_config import QUANT_METHOD, validate_hf_quant_config
 from .packers import PACKERS, Packer
 
@@ -62,8 +81,12 @@ class ModeloptExportConfig(QuantizationConfigMixin):
         group_size: int | None = None,
         quantized_layers: dict[str, Any] | None = None,
         producer: dict[str, Any] | None = None,
+        dequantize: bool = True,
+        int8_gemm: bool | None = False,
         **kwargs: Any,
     ):
+        """``dequantize=False`` keeps the linear layers' weights packed (see the module docstring);
+        ``int8_gemm``: whether W8A8 layers kept packed run torchao's int8 GEMM (``None``: where fast)."""
         self.quant_method = QUANT_METHOD  # type: ignore[assignment]
         self.quant_algo = quant_algo
         self.config_groups = config_groups or {}
@@ -72,11 +95,17 @@ class ModeloptExportConfig(QuantizationConfigMixin):
         self.group_size = group_size
         self.quantized_layers = quantized_layers
         self.producer = producer
-        self.extra = {k: v for k, v in kwargs.items() if k not in ("quant_method", "dequantize")}
-        self.dequantize = True  # the only mode: weights load dense
+        self.extra = {k: v for k, v in kwargs.items() if k != "quant_method"}
+        self.dequantize = dequantize
+        self.int8_gemm = int8_gemm
         self.post_init()
 
     def post_init(self) -> None:
+        if not isinstance(self.dequantize, bool) or self.int8_gemm not in (None, True, False):
+            raise ValueError(
+                "quantization_config (quant_method 'modelopt'): dequantize must be a bool and int8_gemm a "
+                f"bool or None (got dequantize={self.dequantize!r}, int8_gemm={self.int8_gemm!r})"
+            )
         if not isinstance(self.quant_algo, str):
             raise ValueError(
                 f"quantization_config (quant_method 'modelopt') has no quant_algo (got {self.quant_algo!r}); "
@@ -87,6 +116,45 @@ class ModeloptExportConfig(QuantizationConfigMixin):
         if self.quant_algo == "MIXED_PRECISION":
             return {entry["quant_algo"] for entry in (self.quantized_layers or {}).values()}
         return {self.quant_algo} if self.quant_algo else set()
+
+    def layer_algo(self, layer: str) -> str | None:
+        """The ``quant_algo`` of one layer (``None``: a MIXED_PRECISION checkpoint does not list it)."""
+        if self.quant_algo == "MIXED_PRECISION":
+            entry = (self.quantized_layers or {}).get(layer)
+            return entry.get("quant_algo") if isinstance(entry, dict) else None
+        return self.quant_algo
+
+
+#: safetensors header dtype -> torch dtype (those an export writes)
+_ST_DTYPES = {
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+}
+
+
+def _stored_meta(checkpoint_files: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+    """``{layer: {tensor name: meta tensor}}`` of the checkpoint's ``weight`` and companions, from the
+    safetensors headers (no tensor data is read)."""
+    from safetensors import safe_open
+
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for path in checkpoint_files:
+        if not str(path).endswith(".safetensors"):
+            continue
+        with safe_open(str(path), "pt") as f:
+            for key in f.keys():
+                stem, _, name = key.rpartition(".")
+                if name != "weight" and name not in _COMPANIONS:
+                    continue
+                sl = f.get_slice(key)
+                dtype = _ST_DTYPES.get(sl.get_dtype())
+                if dtype is not None:
+                    out.setdefault(stem, {})[name] = torch.empty(sl.get_shape(), dtype=dtype, device="meta")
+    return {stem: t for stem, t in out.items() if "weight" in t}
 
 
 def _first(value: Any) -> Any:
@@ -171,6 +239,43 @@ class ModeloptDequantize(ConversionOps):
         return param.dtype
 
 
+class ModeloptKeepPacked(ModeloptDequantize):
+    """Loading op of ``dequantize=False``: the stored tensors of a layer prepared by
+    :meth:`ModeloptExportQuantizer._process_model_before_weight_loading` (a compressed layer with ``meta``
+    placeholders) go into its buffers as they are; its ``pre_quant_scale`` (and, for W8A8, ``input_scale`` as
+    the activation amax) into its input quantizer. Any other weight is dequantized."""
+
+    def convert(
+        self,
+        input_dict: dict[str, Any],
+        full_layer_name: str | None = None,
+        model: nn.Module | None = None,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        stem = None if full_layer_name is None else full_layer_name.removesuffix("weight")
+        module = None
+        if model is not None and stem is not None and stem != full_layer_name:
+            try:
+                module = model.get_submodule(stem.rstrip("."))
+            except AttributeError:
+                module = None
+        if not isinstance(module, CompressedLinear):
+            return super().convert(input_dict, full_layer_name=full_layer_name, model=model, **kwargs)
+        stored = {k.rpartition(".")[2]: _first(v) for k, v in input_dict.items()}
+        expected = set(module._packed())
+        if expected - set(stored):
+            raise ValueError(
+                f"{stem}weight: the checkpoint has {sorted(stored)}, the packed {module.quant_algo} layer "
+                f"needs {sorted(expected)}"
+            )
+        iq = module.input_quantizer
+        if stored.get("pre_quant_scale") is not None:
+            iq.pre_quant_scale = stored["pre_quant_scale"]
+        if module.quant_algo in KERNELS and stored.get("input_scale") is not None:
+            iq.amax = stored["input_scale"].float() * 127.0  # the static per-tensor activation amax
+        return {stem + name: stored[name] for name in ("weight", *sorted(expected - {"weight"}))}
+
+
 def _fused_experts_conversions(experts: str, interleaved: bool, bias: bool) -> list[WeightConverter]:
     """Per-expert ``gate_proj`` / ``up_proj`` / ``down_proj`` maps, written ``(out, in)`` as every other
     linear map, merged into fused experts stored transposed, ``(experts, in, out)``: Llama 4 (``gate_up_proj``
@@ -203,14 +308,19 @@ _FUSED_TRANSPOSED = {
 
 
 class ModeloptExportQuantizer(HfQuantizer):
-    """Dequantizes an exported checkpoint while transformers loads it (no quantized compute)."""
+    """Loads an exported checkpoint: dequantized (the default), or with the linear layers' weights kept
+    packed (``dequantize=False``, see the module docstring)."""
 
     requires_calibration = True  # only pre-quantized checkpoints
     quantization_config: ModeloptExportConfig
     serialized_names: ClassVar[dict[str, list[str]]] = {"weight": ["weight", *_COMPANIONS]}
 
+    def __init__(self, quantization_config: ModeloptExportConfig, **kwargs: Any):
+        super().__init__(quantization_config, **kwargs)
+        self._stored: dict[str, str] = {}  # layers stored quantized in the checkpoint -> quant_algo
+
     def get_load_operations(self) -> dict:
-        return {"dequantize": ModeloptDequantize}
+        return {"dequantize": ModeloptDequantize, "deserialize": ModeloptKeepPacked}
 
     def update_weight_conversions(self, weight_conversions: list, model: nn.Module) -> list:
         """The model's conversions, plus the merge of per-expert Llama 4 / GPT-OSS experts (dequantized
@@ -231,13 +341,89 @@ class ModeloptExportQuantizer(HfQuantizer):
                 f"the checkpoint's quant_algo {sorted(unknown)} cannot be dequantized by modelopt_lite "
                 f"(supported: {sorted(PACKERS)})"
             )
+        if not self.quantization_config.dequantize:
+            require_torchao()
+            self._prepare_packed(model, kwargs.get("checkpoint_files") or [])
+
+    def _prepare_packed(self, model: nn.Module, checkpoint_files: list[str]) -> None:
+        """Turn every plain linear layer whose checkpoint weight is stored quantized into a compressed layer
+        with ``meta`` placeholders of the stored tensors' shapes and dtypes (read from the safetensors
+        headers), for :class:`ModeloptKeepPacked` to fill."""
+        stored = _stored_meta(checkpoint_files)
+        allowed = self.quantization_config.algorithms()
+        modules = dict(model.named_modules())
+        for stem, tensors in stored.items():
+            if "weight_scale" not in tensors:
+                continue  # stored unquantized
+            algo = self.quantization_config.layer_algo(stem)
+            self._stored[stem] = algo or self.quantization_config.quant_algo or "?"
+            module = modules.get(stem)
+            if type(module) is not nn.Linear:
+                continue  # not a linear layer (a fused experts' projection): dequantized, named after loading
+            packer = _packer_for(tensors, allowed if algo is None else {algo})
+            if packer is None or algo is None:
+                continue
+            packed = {n: t for n, t in tensors.items() if n in ("weight", "weight_scale", "weight_scale_2")}
+            try:
+                packed_linear(module, algo, packed)
+            except ValueError as err:
+                raise ValueError(f"{stem}: cannot keep the checkpoint's weight packed: {err}") from None
+
+    def _process_model_after_weight_loading(self, model: nn.Module, **kwargs: Any) -> nn.Module:
+        if self.quantization_config.dequantize:
+            return model
+        int8_gemm = self.quantization_config.int8_gemm
+        layers = compressed_layers(model)
+        kernel = {
+            n: use_int8_gemm(model.get_submodule(n), int8_gemm) for n, a in layers.items() if a in KERNELS
+        }
+        for algo in sorted(set(layers.values())):
+            on_kernel = sum(1 for n, a in layers.items() if a == algo and kernel.get(n))
+            if on_kernel:
+                logger.info(
+                    "from_pretrained(dequantize=False): %d %s layer(s) keep packed weights and run %s "
+                    "(activations quantized with the stored input_scale)",
+                    on_kernel,
+                    algo,
+                    KERNELS[algo],
+                )
+            rest = sum(1 for n, a in layers.items() if a == algo and not kernel.get(n))
+            if rest:
+                why = ""
+                if algo in KERNELS:
+                    why = (
+                        "; torch._int_mm is slow on a CPU without AVX512-VNNI / AMX, int8_gemm=True forces it"
+                        if int8_gemm is None and not fast_int8_gemm(next(iter(model.buffers())).device)
+                        else "; int8_gemm=True runs the int8 GEMM on quantized activations"
+                    )
+                logger.info(
+                    "from_pretrained(dequantize=False): %d %s layer(s) keep packed weights and dequantize "
+                    "them on the fly (dense activations, as the dequantized load%s)",
+                    rest,
+                    algo,
+                    why,
+                )
+        by_algo: dict[str, list[str]] = {}
+        for name, algo in sorted(self._stored.items()):
+            if name not in layers:
+                by_algo.setdefault(algo, []).append(name)
+        for algo, names in sorted(by_algo.items()):
+            logger.info(
+                "from_pretrained(dequantize=False): %d %s weight(s) load dequantized to full precision (not "
+                "a plain linear layer of the model: fused MoE experts stay full precision, as mtq.compress "
+                "leaves them fake-quantized): %s",
+                len(names),
+                algo,
+                ", ".join(names[:4]) + (" ..." if len(names) > 4 else ""),
+            )
+        return model
 
     def is_serializable(self) -> bool:
         return False
 
     @property
     def is_trainable(self) -> bool:
-        return True
+        return self.quantization_config.dequantize  # packed weights: train before compressing
 
 
 def _register() -> None:
@@ -276,11 +462,20 @@ def read_hf_quant_config(export_dir: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def load_hf_checkpoint(
-    export_dir: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat16, **kwargs: Any
+    export_dir: str | os.PathLike[str],
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    compress: bool = False,
+    int8_gemm: bool | None = False,
+    **kwargs: Any,
 ) -> nn.Module:
     """``AutoModelForCausalLM.from_pretrained(export_dir, dtype=dtype)`` after checking
-    ``hf_quant_config.json`` against ``config.json``; weights are dequantized to ``dtype``."""
-    from transformers import AutoModelForCausalLM
+    ``hf_quant_config.json`` against ``config.json``. Weights are dequantized to ``dtype``; with
+    ``compress=True`` the linear layers keep them packed, as ``mtq.compress`` does (the quantization config's
+    ``dequantize=False``; needs the torchao extra), and ``int8_gemm`` chooses whether W8A8 layers run
+    torchao's int8 GEMM on activations quantized with the stored ``input_scale`` (``None``: where it is
+    fast; ``False``, the default: dense activations, what the dequantized load computes)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     hf_cfg = read_hf_quant_config(export_dir)
     config_path = Path(export_dir) / "config.json"
@@ -293,4 +488,13 @@ def load_hf_checkpoint(
             f"{export_dir}: config.json says quant_algo {qcfg.get('quant_algo')!r} but hf_quant_config.json "
             f"says {hf_cfg['quantization']['quant_algo']!r}"
         )
+    if compress:
+        require_torchao()
+        if "config" in kwargs:
+            raise ValueError("load_hf_checkpoint(compress=True) sets the model config; do not pass config=")
+        config = AutoConfig.from_pretrained(export_dir)
+        config.quantization_config = {**qcfg, "dequantize": False, "int8_gemm": int8_gemm}
+        kwargs["config"] = config
+    elif int8_gemm is not False:
+        raise ValueError("load_hf_checkpoint: int8_gemm applies to compress=True only")
     return AutoModelForCausalLM.from_pretrained(export_dir, dtype=dtype, **kwargs)

@@ -33,7 +33,7 @@ from torch import nn
 
 from ..logging import get_logger
 from ..moe import QuantExperts
-from ..nn import QuantLinear
+from ..nn import QUANT_MODULES, QuantLinear
 from ..nn.errors import UnsupportedFeatureError
 from .calibrate import check_calibrated
 from .config_models import CompressConfig
@@ -46,8 +46,10 @@ __all__ = [
     "compressed_state",
     "fast_int8_gemm",
     "is_compressed",
+    "packed_linear",
     "require_torchao",
     "restore_compressed",
+    "use_int8_gemm",
 ]
 
 logger = get_logger(__name__)
@@ -184,9 +186,10 @@ def _kernel_fits(module: QuantLinear, algo: str, int8_gemm: bool | None) -> bool
     branch), an input quantizer without rotation or bias (torchao quantizes the activation itself), and
     ``int8_gemm`` (``None``: :func:`fast_int8_gemm` on the weight's device)."""
     iq = module.input_quantizer
+    cls = next(c for c in type(module).__mro__ if not issubclass(c, CompressedLinear))  # the quantized class
     fits = (
         algo in KERNELS
-        and type(module).forward is QuantLinear.forward
+        and cls.forward is QuantLinear.forward
         and iq.attributes.rotation() is None
         and iq.bias_calibrator is None
     )
@@ -258,6 +261,51 @@ def restore_compressed(model: nn.Module, state: dict[str, Any]) -> None:
             getattr(torch, entry["weight_dtype"]),
             torch.Size(entry["weight_shape"]),
         )
+
+
+def packed_linear(module: nn.Linear, quant_algo: str, tensors: dict[str, torch.Tensor]) -> nn.Module:
+    """Turn a plain ``nn.Linear`` (on any device, ``meta`` included) into a compressed layer that holds
+    ``tensors``, the packed tensors an export stores for it (``weight`` codes, ``weight_scale``,
+    ``weight_scale_2``; ``meta`` placeholders that a checkpoint loader fills are fine), in place; returns the
+    module. Its weight and input quantizers are disabled: it computes ``F.linear(x, W, b)`` with ``W`` the
+    packer's dequantization of the tensors in the weight's dtype, what a dequantizing load computes (an
+    input quantizer ``pre_quant_scale`` set afterwards scales ``x``). Raises ``ValueError`` when the tensors
+    do not dequantize to the weight's shape."""
+    require_torchao()
+    if type(module) is not nn.Linear:
+        raise ValueError(f"packed_linear: expected a plain nn.Linear, got {type(module).__name__}")
+    missing = {"weight", "weight_scale"} - set(tensors)
+    unknown = set(tensors) - set(_TENSORS)
+    if missing or unknown:
+        raise ValueError(
+            f"packed_linear: {quant_algo} tensors {sorted(tensors)}: missing {sorted(missing)}, "
+            f"unknown {sorted(unknown)} (expected some of {list(_TENSORS)})"
+        )
+    meta = {n: torch.empty(t.shape, dtype=t.dtype, device="meta") for n, t in tensors.items()}
+    shape = get_packer(quant_algo).dequantize(meta).shape
+    if shape != module.weight.shape:
+        raise ValueError(
+            f"packed_linear: {quant_algo} tensors "
+            f"{ {n: tuple(t.shape) for n, t in tensors.items()} } dequantize to {tuple(shape)}, but the "
+            f"layer's weight is {tuple(module.weight.shape)}"
+        )
+    dtype = module.weight.dtype
+    QUANT_MODULES.convert(module)
+    module.weight_quantizer.disable()
+    module.input_quantizer.disable()
+    _convert(module, quant_algo, tensors, dtype, shape, int8_gemm=False)
+    return module
+
+
+def use_int8_gemm(module: nn.Module, int8_gemm: bool | None = None) -> bool:
+    """Let a compressed W8A8 layer run torchao's int8 GEMM when it fits (an input quantizer with an amax,
+    the static per-tensor activation scale, ``int8_gemm`` or, for ``None``, :func:`fast_int8_gemm` on its
+    device); returns whether it does."""
+    if not isinstance(module, CompressedLinear):
+        raise ValueError(f"use_int8_gemm: {type(module).__name__} is not a compressed layer")
+    fits = module.input_quantizer.amax is not None and _kernel_fits(module, module.quant_algo, int8_gemm)
+    module.uses_kernel = fits
+    return fits
 
 
 def _patterns(config: Any) -> dict[str, bool]:

@@ -124,6 +124,13 @@ class ModeloptExportConfig(QuantizationConfigMixin):
             return entry.get("quant_algo") if isinstance(entry, dict) else None
         return self.quant_algo
 
+    def layer_group_size(self, layer: str) -> int | None:
+        """The ``group_size`` of one layer (a MIXED_PRECISION layer's own, else the checkpoint's)."""
+        if self.quant_algo == "MIXED_PRECISION":
+            entry = (self.quantized_layers or {}).get(layer)
+            return entry.get("group_size") if isinstance(entry, dict) else None
+        return self.group_size
+
 
 #: safetensors header dtype -> torch dtype (those an export writes)
 _ST_DTYPES = {
@@ -182,10 +189,13 @@ def _packer_for(tensors: dict[str, torch.Tensor], allowed: set[str]) -> Packer |
     )
 
 
-def dequantize_layer(tensors: dict[str, torch.Tensor], allowed: set[str], dtype: torch.dtype) -> torch.Tensor:
-    """One layer's dense weight from its stored tensors (``pre_quant_scale`` folded into the columns)."""
+def dequantize_layer(
+    tensors: dict[str, torch.Tensor], allowed: set[str], dtype: torch.dtype, group_size: int | None = None
+) -> torch.Tensor:
+    """One layer's dense weight from its stored tensors (``pre_quant_scale`` folded into the columns);
+    ``group_size``: the checkpoint's, for a format whose last block may be partial (INT4)."""
     packer = _packer_for(tensors, allowed)
-    weight = tensors["weight"].float() if packer is None else packer.dequantize(tensors)
+    weight = tensors["weight"].float() if packer is None else packer.dequantize(tensors, group_size)
     if "pre_quant_scale" in tensors:
         weight = weight * tensors["pre_quant_scale"].float().reshape(1, -1)
     return weight.to(dtype)
@@ -204,8 +214,10 @@ class ModeloptDequantize(ConversionOps):
         model: nn.Module | None = None,
         **kwargs: Any,
     ) -> dict[str, Any]:
-        allowed = self.hf_quantizer.quantization_config.algorithms()
+        config = self.hf_quantizer.quantization_config
+        allowed = config.algorithms()
         dtype = self._target_dtype(model, full_layer_name)
+        group = config.layer_group_size((full_layer_name or "").removesuffix(".weight"))
         out: dict[str, Any] = {}
         for key, value in input_dict.items():
             if key.rpartition(".")[2] in _COMPANIONS or key in _COMPANIONS:
@@ -222,7 +234,7 @@ class ModeloptDequantize(ConversionOps):
                 for c, v in parts.items():
                     if v is not None:
                         tensors[c] = v[i] if isinstance(v, list) else v
-                dense.append(dequantize_layer(tensors, allowed, dtype or torch.float32))
+                dense.append(dequantize_layer(tensors, allowed, dtype or torch.float32, group))
             out[key] = dense if isinstance(value, list) else dense[0]
         if full_layer_name is not None and len(out) == 1 and not isinstance(next(iter(out.values())), list):
             return {full_layer_name: _first(next(iter(out.values())))}
@@ -365,7 +377,7 @@ class ModeloptExportQuantizer(HfQuantizer):
                 continue
             packed = {n: t for n, t in tensors.items() if n in ("weight", "weight_scale", "weight_scale_2")}
             try:
-                packed_linear(module, algo, packed)
+                packed_linear(module, algo, packed, self.quantization_config.layer_group_size(stem))
             except ValueError as err:
                 raise ValueError(f"{stem}: cannot keep the checkpoint's weight packed: {err}") from None
 

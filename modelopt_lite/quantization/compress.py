@@ -78,6 +78,8 @@ class CompressedLinear(nn.Module):
     quant_algo: str
     _weight_dtype: torch.dtype
     _weight_shape: torch.Size
+    #: the format's block where the tensors' shapes do not tell it (INT4 with a partial last block)
+    group_size: int | None = None
 
     def _packed(self) -> dict[str, torch.Tensor]:
         return {n: b for n in _TENSORS if (b := self._buffers.get(n)) is not None}
@@ -88,7 +90,7 @@ class CompressedLinear(nn.Module):
 
     def _weight_view(self) -> torch.Tensor:
         """The ``(out, in)`` weight, dequantized (what the fake-quant layer's weight quantizer returned)."""
-        weight = self.packer.dequantize(self._packed())
+        weight = self.packer.dequantize(self._packed(), self.group_size)
         if not self.packer.exact_dequantize:
             weight = self.weight_quantizer(weight)
         return weight.to(self._weight_dtype)
@@ -203,11 +205,13 @@ def _convert(
     dtype: torch.dtype,
     shape: torch.Size,
     int8_gemm: bool | None = None,
+    group_size: int | None = None,
 ) -> None:
     kernel = _kernel_fits(module, algo, int8_gemm)
     del module.weight  # the full-precision parameter goes; the codes take its name
     module.__class__ = _compressed_class(type(module))
     module.quant_algo = algo
+    module.group_size = group_size
     module._weight_dtype, module._weight_shape = dtype, shape
     for name, tensor in tensors.items():
         module.register_buffer(name, tensor.contiguous())
@@ -217,8 +221,10 @@ def _convert(
 @torch.no_grad()
 def _compress_layer(module: QuantLinear, algo: str, int8_gemm: bool | None) -> None:
     weight = module._weight_view()
-    tensors = get_packer(algo).pack(weight.detach(), module.weight_quantizer)
-    _convert(module, algo, tensors, weight.dtype, weight.shape, int8_gemm)
+    packer = get_packer(algo)
+    tensors = packer.pack(weight.detach(), module.weight_quantizer)
+    group = packer.group_size(module.weight_quantizer)
+    _convert(module, algo, tensors, weight.dtype, weight.shape, int8_gemm, group)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -233,6 +239,7 @@ def compressed_state(model: nn.Module) -> dict[str, Any]:
             "quant_algo": m.quant_algo,
             "weight_dtype": _dtype_name(m._weight_dtype),
             "weight_shape": list(m._weight_shape),
+            "group_size": m.group_size,
             "tensors": {n: [list(t.shape), _dtype_name(t.dtype)] for n, t in m._packed().items()},
         }
         for name, m in model.named_modules()
@@ -260,17 +267,21 @@ def restore_compressed(model: nn.Module, state: dict[str, Any]) -> None:
             tensors,
             getattr(torch, entry["weight_dtype"]),
             torch.Size(entry["weight_shape"]),
+            group_size=entry.get("group_size"),
         )
 
 
-def packed_linear(module: nn.Linear, quant_algo: str, tensors: dict[str, torch.Tensor]) -> nn.Module:
+def packed_linear(
+    module: nn.Linear, quant_algo: str, tensors: dict[str, torch.Tensor], group_size: int | None = None
+) -> nn.Module:
     """Turn a plain ``nn.Linear`` (on any device, ``meta`` included) into a compressed layer that holds
     ``tensors``, the packed tensors an export stores for it (``weight`` codes, ``weight_scale``,
     ``weight_scale_2``; ``meta`` placeholders that a checkpoint loader fills are fine), in place; returns the
     module. Its weight and input quantizers are disabled: it computes ``F.linear(x, W, b)`` with ``W`` the
     packer's dequantization of the tensors in the weight's dtype, what a dequantizing load computes (an
-    input quantizer ``pre_quant_scale`` set afterwards scales ``x``). Raises ``ValueError`` when the tensors
-    do not dequantize to the weight's shape."""
+    input quantizer ``pre_quant_scale`` set afterwards scales ``x``). ``group_size``: the format's block
+    (the checkpoint's ``group_size``; INT4 needs it when the last block of a row is partial). Raises
+    ``ValueError`` when the tensors do not dequantize to the weight's shape."""
     require_torchao()
     if type(module) is not nn.Linear:
         raise ValueError(f"packed_linear: expected a plain nn.Linear, got {type(module).__name__}")
@@ -282,7 +293,7 @@ def packed_linear(module: nn.Linear, quant_algo: str, tensors: dict[str, torch.T
             f"unknown {sorted(unknown)} (expected some of {list(_TENSORS)})"
         )
     meta = {n: torch.empty(t.shape, dtype=t.dtype, device="meta") for n, t in tensors.items()}
-    shape = get_packer(quant_algo).dequantize(meta).shape
+    shape = get_packer(quant_algo).dequantize(meta, group_size).shape
     if shape != module.weight.shape:
         raise ValueError(
             f"packed_linear: {quant_algo} tensors "
@@ -293,7 +304,7 @@ def packed_linear(module: nn.Linear, quant_algo: str, tensors: dict[str, torch.T
     QUANT_MODULES.convert(module)
     module.weight_quantizer.disable()
     module.input_quantizer.disable()
-    _convert(module, quant_algo, tensors, dtype, shape, int8_gemm=False)
+    _convert(module, quant_algo, tensors, dtype, shape, int8_gemm=False, group_size=group_size)
     return module
 
 

@@ -100,8 +100,9 @@ class Packer:
         """``weight`` is ``(out, in)`` as the weight quantizer sees it."""
         raise NotImplementedError
 
-    def dequantize(self, tensors: Tensors) -> torch.Tensor:
-        """The float32 ``(out, in)`` weight from the stored tensors."""
+    def dequantize(self, tensors: Tensors, group_size: int | None = None) -> torch.Tensor:
+        """The float32 ``(out, in)`` weight from the stored tensors; ``group_size``: the block of a format
+        whose last block may be partial (INT4), which the tensors' shapes alone do not tell."""
         raise NotImplementedError
 
     #: bits per weight element of the stored ``weight`` (its exact size) and of weight plus weight scales
@@ -139,7 +140,7 @@ class FP8Packer(Packer):
         scale = scale.reshape(()) if scale.numel() == 1 else scale.reshape(-1)
         return {"weight": _fp8_codes(weight, amax), "weight_scale": scale}
 
-    def dequantize(self, tensors: Tensors) -> torch.Tensor:
+    def dequantize(self, tensors: Tensors, group_size: int | None = None) -> torch.Tensor:
         scale = tensors["weight_scale"].float()
         return tensors["weight"].float() * (scale.reshape(-1, 1) if scale.ndim else scale)
 
@@ -164,7 +165,7 @@ class Int8Packer(Packer):
         amax = _amax(_stage(quantizer, 0)).reshape(-1, 1)
         return {"weight": _int_codes(weight, amax, 8), "weight_scale": true_div(amax.reshape(-1), 127.0)}
 
-    def dequantize(self, tensors: Tensors) -> torch.Tensor:
+    def dequantize(self, tensors: Tensors, group_size: int | None = None) -> torch.Tensor:
         return tensors["weight"].float() * tensors["weight_scale"].float().reshape(-1, 1)
 
 
@@ -207,11 +208,17 @@ class Int4BlockPacker(Packer):
         per_row = -(-weight.shape[-1] // block)
         return {"weight": _pack_int4_rows(codes), "weight_scale": true_div(amax, 7.0).reshape(-1, per_row)}
 
-    def dequantize(self, tensors: Tensors) -> torch.Tensor:
+    def dequantize(self, tensors: Tensors, group_size: int | None = None) -> torch.Tensor:
         codes = _unpack_int4_rows(tensors["weight"])
         scale = tensors["weight_scale"].float()
-        block = -(-codes.shape[-1] // scale.shape[-1])
-        return codes * scale.repeat_interleave(block, dim=-1)[:, : codes.shape[-1]]
+        in_f, blocks = codes.shape[-1], scale.shape[-1]
+        # without group_size, the blocks are taken as full but the last one (ceil(in / blocks)): right
+        # unless the last block is partial, e.g. 176 inputs in blocks of 128 (two scales, 88 inferred)
+        block = group_size or -(-in_f // blocks)
+        if -(-in_f // block) != blocks:
+            raise ValueError(f"INT4 weight_scale {tuple(scale.shape)}: {in_f} inputs in blocks of {block} "
+                             f"make {-(-in_f // block)} blocks per row, not {blocks}")  # fmt: skip
+        return codes * scale.repeat_interleave(block, dim=-1)[:, :in_f]
 
 
 @register_packer("W4A8_AWQ")
@@ -223,8 +230,8 @@ class W4A8Packer(Int4BlockPacker):
         out["weight_scale_2"] = scale_of_amax(_amax(_stage(quantizer, 1)), E4M3.max_value)
         return out
 
-    def dequantize(self, tensors: Tensors) -> torch.Tensor:
-        w = super().dequantize(tensors)
+    def dequantize(self, tensors: Tensors, group_size: int | None = None) -> torch.Tensor:
+        w = super().dequantize(tensors, group_size)
         amax = tensors["weight_scale_2"].float() * E4M3.max_value
         scale, inv = fp8_scales(amax, E4M3, w.device)
         return minifloat_round(w.mul_(scale).clamp_(-448.0, 448.0), E4M3, signed=True).mul_(inv)
@@ -279,7 +286,7 @@ class NVFP4Packer(_FixedBlockPacker):
             "weight_scale_2": s2.reshape(()),
         }
 
-    def dequantize(self, tensors: Tensors) -> torch.Tensor:
+    def dequantize(self, tensors: Tensors, group_size: int | None = None) -> torch.Tensor:
         values = unpack_e2m1(tensors["weight"])
         step = tensors["weight_scale"].float().reshape(-1, 1) * tensors["weight_scale_2"].float()
         return (values.reshape(-1, self.block) * step).reshape(values.shape)
@@ -308,7 +315,7 @@ class MXFP8Packer(_FixedBlockPacker):
             "weight_scale": (exp + 127).to(torch.uint8).reshape(out_f, -1),
         }
 
-    def dequantize(self, tensors: Tensors) -> torch.Tensor:
+    def dequantize(self, tensors: Tensors, group_size: int | None = None) -> torch.Tensor:
         codes = tensors["weight"].float()
         exp = tensors["weight_scale"].to(torch.int32) - 127
         scale = torch.ldexp(torch.ones_like(exp, dtype=torch.float32), exp)

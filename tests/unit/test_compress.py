@@ -240,3 +240,17 @@ def test_export_of_a_compressed_model_refused(tmp_path):
     with pytest.raises(UnsupportedFormatError, match="export the model before compressing it"):
         export_hf_checkpoint(model, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_int4_partial_last_block_round_trips():
+    """INT4 block-128 over 176 inputs: the second block of each row is partial; the compressed layer keeps
+    the quantizer's block (group_size), so it dequantizes each code with its own block's scale."""
+    cfg = mtq.get_preset("INT4_AWQ_CFG")
+    cfg["algorithm"] = "max"
+    model = mtq.quantize(tiny_llama(hidden=88), cfg, batches(n=1))
+    compressed = mtq.compress(copy.deepcopy(model))
+    down = compressed.get_submodule("model.layers.0.mlp.down_proj")
+    assert down.weight_scale.shape == (88, 2)
+    assert down.group_size == 128
+    ids = batches(n=1, seed=5)[0]
+    assert torch.equal(_logits(compressed, ids), _logits(model, ids))

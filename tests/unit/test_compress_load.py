@@ -19,8 +19,8 @@ from modelopt_lite.export.loader import ModeloptExportConfig
 from modelopt_lite.quantization.compress import W8A8_TOLERANCE, CompressedLinear, compressed_layers
 from modelopt_lite.quantization.packers import get_packer
 
-from ._export_cases import FORMATS, export, quantized, tensors
-from ._models import batches
+from ._export_cases import FORMATS, assert_within_ulp, export, quantized, tensors
+from ._models import batches, tiny_llama
 from ._training import CountingData, cpu_args
 
 pytest.importorskip("torchao", reason="loading an export compressed needs the torchao extra")
@@ -231,3 +231,22 @@ def test_trainer_refuses_a_compressed_load(exports, tmp_path):
     assert load_hf_checkpoint(directory, dtype=torch.float32).is_quantized is False
     with pytest.raises(ValueError, match="fine-tuning"):
         training.QATTrainer(model=model, args=cpu_args(tmp_path), train_dataset=CountingData())
+
+
+def test_int4_partial_last_block(tmp_path):
+    """INT4 block-128 over 176 inputs (down_proj of a hidden-88 Llama): two scales per row, the second block
+    partial. The block is the checkpoint's group_size (the shapes alone would say 88): the dequantized load
+    gives the fake-quantized weights (within the stored scales' ulp) and the compressed load equals it."""
+    cfg = mtq.get_preset("INT4_AWQ_CFG")
+    cfg["algorithm"] = "max"
+    model = mtq.quantize(tiny_llama(hidden=88), cfg, batches(n=1))
+    export(model, tmp_path)
+    name = "model.layers.0.mlp.down_proj"
+    assert tensors(tmp_path)[f"{name}.weight_scale"].shape == (88, 2)
+    dense = load_hf_checkpoint(tmp_path, dtype=torch.float32)
+    packed = load_hf_checkpoint(tmp_path, dtype=torch.float32, compress=True)
+    fake = model.get_submodule(name)
+    assert_within_ulp(dense.get_submodule(name).weight, fake.weight_quantizer(fake.weight))
+    assert packed.get_submodule(name).group_size == 128
+    ids = batches(n=1, seed=5)[0]
+    assert torch.equal(_logits(packed, ids), _logits(dense, ids))

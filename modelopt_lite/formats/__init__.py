@@ -1,9 +1,11 @@
 """Floor 1: reference fake quantization per format (pure PyTorch, any device), the straight-through
-estimator, E2M1 packing, and Triton kernels used automatically on CUDA tensors."""
+estimator, E2M1 packing, Triton kernels used automatically on CUDA tensors, and compiled (fused) kernels
+on CPU tensors (:mod:`.fused`)."""
 
 from ._blocks import BlockLayout
 from .fp8 import fp8_fake_quant
 from .functional import fake_quant, fake_quant_reference, reduce_amax, reduce_axes, reduce_like_amax
+from .fused import fused_call_count, fused_fake_quant_enabled, set_fused_fake_quant
 from .hadamard import hadamard_block_size, hadamard_matrix, hadamard_transform
 from .integer import int_bounds, int_fake_quant
 from .learnable import fake_quant_learnable, learnable_amax_error
@@ -28,6 +30,8 @@ __all__ = [
     "fake_quant_learnable",
     "fake_quant_reference",
     "fp8_fake_quant",
+    "fused_call_count",
+    "fused_fake_quant_enabled",
     "hadamard_block_size",
     "hadamard_matrix",
     "hadamard_transform",
@@ -46,5 +50,6 @@ __all__ = [
     "reduce_axes",
     "reduce_like_amax",
     "resolve_format",
+    "set_fused_fake_quant",
     "unpack_e2m1",
 ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from . import fused
 from ._blocks import BlockLayout
 from ._chunks import map_rows
 from .fp8 import fp8_apply, fp8_scales, fp8_spec
@@ -150,13 +151,20 @@ def fake_quant_reference(
 def dispatch_fake_quant(
     x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None, global_amax: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Fake quant without autograd: the Triton kernel on CUDA where it applies, else the reference."""
+    """Fake quant without autograd: the Triton kernel on CUDA where it applies, the fused (compiled) kernel
+    of :mod:`.fused` on CPU where it applies, else the reference."""
     if spec.dynamic and not spec.block_axes and spec.kind in ("int", "fp8"):
         amax = reduce_amax(x, spec)  # dynamic per tensor / per axis: this input's own amax
     if x.is_cuda:
         from . import triton_kernels
 
         out = triton_kernels.try_fake_quant(x, spec, amax)
+        if out is not None:
+            return out
+    else:
+        out = fused.try_fused_fake_quant(
+            x, spec, amax, global_amax, lambda: fake_quant_reference(x, spec, amax, global_amax)
+        )
         if out is not None:
             return out
     return fake_quant_reference(x, spec, amax, global_amax)

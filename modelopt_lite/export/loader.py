@@ -362,6 +362,11 @@ class ModeloptExportQuantizer(HfQuantizer):
         with ``meta`` placeholders of the stored tensors' shapes and dtypes (read from the safetensors
         headers), for :class:`ModeloptKeepPacked` to fill."""
         stored = _stored_meta(checkpoint_files)
+        if not stored:
+            raise ValueError(
+                "dequantize=False keeps the weights packed as the safetensors files store them, but no "
+                f"safetensors checkpoint file was given ({checkpoint_files!r}); load with dequantize=True"
+            )
         allowed = self.quantization_config.algorithms()
         modules = dict(model.named_modules())
         for stem, tensors in stored.items():

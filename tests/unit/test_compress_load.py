@@ -250,3 +250,16 @@ def test_int4_partial_last_block(tmp_path):
     assert packed.get_submodule(name).group_size == 128
     ids = batches(n=1, seed=5)[0]
     assert torch.equal(_logits(packed, ids), _logits(dense, ids))
+
+
+def test_without_safetensors_files_refused(exports):
+    """The packed layers are sized from the safetensors headers: without them the load is refused rather
+    than falling back to full precision."""
+    from modelopt_lite.export.loader import ModeloptExportQuantizer
+
+    _, directory = exports["FP8_DEFAULT_CFG"]
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory))
+    config = ModeloptExportConfig(quant_algo="FP8", dequantize=False)
+    with pytest.raises(ValueError, match="no safetensors checkpoint file"):
+        ModeloptExportQuantizer(config)._process_model_before_weight_loading(model, checkpoint_files=[])
+    assert not compressed_layers(model)

@@ -142,7 +142,8 @@ def _split_last(x: torch.Tensor, block: int) -> torch.Tensor:
 
 
 def _merge_last(blocks: torch.Tensor, cols: int) -> torch.Tensor:
-    """Inverse of :func:`_split_last`."""
+    """Inverse of :func:`_split_last`. Cast ``blocks`` to the output dtype first: inductor 2.13 miscompiles a
+    cast to bfloat16 / float16 after the slice that drops the padding (wrong values in the last block)."""
     out = blocks.flatten(-2)
     return out if out.shape[-1] == cols else out[..., :cols]
 
@@ -198,7 +199,7 @@ def _nvfp4_kernel(spec: FormatSpec) -> Callable:
     def kernel(x: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
         rows = _split_last(x, block)
         out = _e2m1_round_steps(rows.float().abs() / step).copysign_(rows).mul_(step)
-        return _merge_last(out, x.shape[-1]).to(x.dtype)
+        return _merge_last(out.to(x.dtype), x.shape[-1])
 
     return kernel
 
@@ -219,7 +220,7 @@ def _mx_kernel(spec: FormatSpec) -> Callable:
     element = _element(num_bits)
 
     def kernel(x: torch.Tensor) -> torch.Tensor:
-        v = _split_last(x, block).float()
+        v = _split_last(x.float(), block)
         exp = mx_scale_exponent(v.abs().amax(dim=-1, keepdim=True), num_bits)
         scale = torch.ldexp(torch.ones_like(exp, dtype=torch.float32), exp)
         v = v / scale
@@ -227,7 +228,7 @@ def _mx_kernel(spec: FormatSpec) -> Callable:
             q = v.mul(2.0**_MXINT8_FRAC_BITS).round_().clamp_(-127, 127).div_(2.0**_MXINT8_FRAC_BITS)
         else:
             q = minifloat_round(v.abs(), element).copysign_(v)
-        return _merge_last(q.mul_(scale), x.shape[-1]).to(x.dtype)
+        return _merge_last(q.mul_(scale).to(x.dtype), x.shape[-1])
 
     return kernel
 
@@ -294,14 +295,16 @@ def _run(make: Callable[[FormatSpec], Callable], spec: FormatSpec, x: torch.Tens
         tuple(a is None for a in args),
     )
     fn, new = _kernel(key, make, spec)
-    for t in (x, *args):
+    # fresh views carry the dynamic marks, so that the caller's tensors (a model's weights) keep none
+    inputs = [t if t is None else t.view(t.shape) for t in (x, *args)]
+    for t in inputs:
         if t is not None:
             for dim in range(t.ndim - 1):
                 torch._dynamo.maybe_mark_dynamic(t, dim)
     start = time.perf_counter()
     try:
         with torch.no_grad():
-            out = fn(x, *args)
+            out = fn(*inputs)
     except Exception as err:
         cause = getattr(err, "inner_exception", None) or err.__cause__ or err  # the backend's own error
         first_line = str(cause).splitlines()[0][:200] if str(cause) else ""

@@ -1,14 +1,23 @@
-"""Fake-quant throughput per format, side by side with nvidia-modelopt when it is importable.
+"""Fake-quant throughput per format: the fused (compiled) CPU path, the eager reference path, the two memory
+floors, and nvidia-modelopt when it is importable, all measured in the same process.
 
     OMP_NUM_THREADS=2 python benchmarks/fake_quant.py [--threads 1 2] [--repeats 7] [--json out.json]
 
 Shapes: a 4096x4096 fp32 weight and an 8x512x4096 fp32 activation, amax precomputed (calibrated), forward
 only. For every format and thread count it prints the min and median of ``--repeats`` timed runs in
-M elements/s. When ``modelopt`` (the reference library, installed in a separate virtualenv and never a
-dependency of ours) imports, the same tensors go through its ``TensorQuantizer`` in the same process and
-the table adds the speed ratio (ours / reference, from the medians and from the mins) and whether the
-outputs are bit-identical (``torch.equal``). To run both in one process, put this checkout on the
-reference venv's path:
+M elements/s of
+
+- ``fused``: our fake quant with the fused path on (``set_fused_fake_quant(True, min_numel=0)``; its compile
+  happens in the untimed warm-up call and is printed separately),
+- ``eager``: our fake quant with the fused path off (the reference formulas, run eagerly),
+- the floors, measured right before each case on the same tensor: ``clone`` (one read, one write into a
+  freshly allocated output, as fake quant does) and ``copy_`` (one read, one write into an existing buffer),
+
+and each of fused / eager as a fraction of both floors (medians). When ``modelopt`` (the reference library,
+installed in a separate virtualenv and never a dependency of ours) imports, the same tensors go through its
+``TensorQuantizer`` in the same process and the table adds the speed ratio (fused / reference, from the
+medians and from the mins) and whether the outputs are bit-identical (``torch.equal``). To run both in one
+process, put this checkout on the reference venv's path:
 
     PYTHONPATH=. /path/to/modelopt-venv/bin/python benchmarks/fake_quant.py
 
@@ -26,7 +35,13 @@ from collections.abc import Callable
 
 import torch
 
-from modelopt_lite.formats import fake_quant, reduce_amax, resolve_format
+from modelopt_lite.formats import (
+    fake_quant,
+    fused_call_count,
+    reduce_amax,
+    resolve_format,
+    set_fused_fake_quant,
+)
 
 NVFP4 = {"num_bits": (2, 1), "block_sizes": {-1: 16, "type": "dynamic", "scale_bits": (4, 3)}}
 MXFP8 = {"num_bits": (4, 3), "block_sizes": {-1: 32, "type": "dynamic", "scale_bits": (8, 0)}}
@@ -45,14 +60,17 @@ CASES = {
 }
 
 
-def _time(fn: Callable[[], torch.Tensor], repeats: int) -> tuple[list[float], torch.Tensor]:
-    out = fn()  # warm-up
+def _time(fn: Callable[[], torch.Tensor], repeats: int) -> tuple[list[float], torch.Tensor, float]:
+    """``(timings, last output, seconds of the untimed warm-up call)``."""
+    start = time.perf_counter()
+    out = fn()  # warm-up (the fused path compiles here)
+    warm = time.perf_counter() - start
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         out = fn()
         times.append(time.perf_counter() - start)
-    return times, out
+    return times, out, warm
 
 
 def _reference_quantizer(attrs: dict, amax: torch.Tensor | None):
@@ -68,7 +86,7 @@ def _reference_quantizer(attrs: dict, amax: torch.Tensor | None):
     return q.eval()
 
 
-def run(threads: list[int], repeats: int, scale: int) -> list[dict]:
+def run(threads: list[int], repeats: int, scale: int, cases: list[str] | None = None) -> list[dict]:
     torch.manual_seed(0)
     tensors = {
         "weight": torch.randn(4096 // scale, 4096),
@@ -76,20 +94,41 @@ def run(threads: list[int], repeats: int, scale: int) -> list[dict]:
     }
     rows = []
     for name, (which, attrs) in CASES.items():
+        if cases and not any(c in name for c in cases):
+            continue
         x = tensors[which]
+        buf = torch.empty_like(x)
         spec = resolve_format(**attrs)
         amax = reduce_amax(x, spec) if spec.needs_amax else None
         ref_q = _reference_quantizer(attrs, amax)
         for n in threads:
             torch.set_num_threads(n)
             with torch.no_grad():
-                ours_t, ours_out = _time(lambda x=x, s=spec, a=amax: fake_quant(x, s, a), repeats)
-                row = {"case": name, "shape": list(x.shape), "threads": n, "ours_s": ours_t}
+                clone_t, _, _ = _time(x.clone, repeats)
+                copy_t, _, _ = _time(lambda x=x, b=buf: b.copy_(x), repeats)
+                set_fused_fake_quant(False)
+                eager_t, eager_out, _ = _time(lambda x=x, s=spec, a=amax: fake_quant(x, s, a), repeats)
+                set_fused_fake_quant(True, min_numel=0)
+                calls = fused_call_count()
+                quantize = lambda x=x, s=spec, a=amax: fake_quant(x, s, a)  # noqa: E731
+                fused_t, fused_out, compile_s = _time(quantize, repeats)
+                row = {
+                    "case": name,
+                    "shape": list(x.shape),
+                    "threads": n,
+                    "clone_s": clone_t,
+                    "copy_s": copy_t,
+                    "eager_s": eager_t,
+                    "fused_s": fused_t,
+                    "fused_first_call_s": compile_s,
+                    "fused_ran": fused_call_count() - calls == repeats + 1,
+                    "fused_equals_eager": bool(torch.equal(fused_out, eager_out)),
+                }
                 if ref_q is not None:
                     try:
-                        ref_t, ref_out = _time(lambda x=x, q=ref_q: q(x), repeats)
+                        ref_t, ref_out, _ = _time(lambda x=x, q=ref_q: q(x), repeats)
                         row["ref_s"] = ref_t
-                        row["bit_identical"] = bool(torch.equal(ours_out, ref_out))
+                        row["bit_identical"] = bool(torch.equal(fused_out, ref_out))
                     except Exception as err:  # the reference's CUDA-only paths fail on CPU
                         row["ref_error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:80]}"
             rows.append(row)
@@ -102,18 +141,28 @@ def _mels(numel: int, seconds: float) -> float:
 
 
 def _print_row(row: dict, numel: int) -> None:
-    ours = row["ours_s"]
+    med = {k: statistics.median(row[f"{k}_s"]) for k in ("clone", "copy", "eager", "fused")}
+    low = {k: min(row[f"{k}_s"]) for k in ("clone", "copy", "eager", "fused")}
+
+    def speed(k: str) -> str:
+        return f"{_mels(numel, low[k]):6.0f}/{_mels(numel, med[k]):6.0f}"
+
     line = (
-        f"{row['case']:<22} t={row['threads']}  ours min {_mels(numel, min(ours)):7.1f} "
-        f"med {_mels(numel, statistics.median(ours)):7.1f} Melem/s"
+        f"{row['case']:<22} t={row['threads']} min/med Melem/s: fused {speed('fused')} eager {speed('eager')}"
+        f" clone {speed('clone')} copy_ {speed('copy')} | fused/eager x{med['eager'] / med['fused']:4.2f}"
+        f" | of clone: fused {med['clone'] / med['fused']:4.2f} eager {med['clone'] / med['eager']:4.2f}"
+        f" | of copy_: fused {med['copy'] / med['fused']:4.2f} eager {med['copy'] / med['eager']:4.2f}"
+        f" | first call {row['fused_first_call_s']:5.2f}s"
+        f"{'' if row['fused_ran'] else ' FUSED PATH NOT TAKEN'}"
+        f"{'' if row['fused_equals_eager'] else ' FUSED != EAGER'}"
     )
     if "ref_s" in row:
         ref = row["ref_s"]
-        ratio_med = statistics.median(ref) / statistics.median(ours)
-        ratio_min = min(ref) / min(ours)
         line += (
-            f" | ref min {_mels(numel, min(ref)):7.1f} med {_mels(numel, statistics.median(ref)):7.1f}"
-            f" | x{ratio_med:5.2f} (med) x{ratio_min:5.2f} (min) | bit-identical: {row['bit_identical']}"
+            f" | ref {_mels(numel, min(ref)):6.0f}/{_mels(numel, statistics.median(ref)):6.0f}"
+            f" fused/ref x{statistics.median(ref) / med['fused']:5.2f} (med) x{min(ref) / low['fused']:5.2f}"
+            f" (min) eager/ref x{statistics.median(ref) / med['eager']:5.2f} (med)"
+            f" | bit-identical: {row['bit_identical']}"
         )
     elif "ref_error" in row:
         line += f" | ref n/a ({row['ref_error']})"
@@ -125,10 +174,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--quick", action="store_true", help="shapes 1/8 the size (smoke test)")
+    parser.add_argument("--cases", nargs="+", help="only the cases whose name contains one of these")
     parser.add_argument("--json", help="write the raw timings here")
     args = parser.parse_args()
     print(f"torch {torch.__version__}; repeats {args.repeats}; Melem/s = million elements per second")
-    rows = run(args.threads, args.repeats, 8 if args.quick else 1)
+    rows = run(args.threads, args.repeats, 8 if args.quick else 1, args.cases)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

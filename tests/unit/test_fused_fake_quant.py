@@ -183,6 +183,18 @@ def test_e2m1_steps_equal_the_reference_rounding_at_every_boundary():
     assert torch.isnan(fused_mod._e2m1_round_steps(torch.tensor([float("nan")]))).all()
 
 
+def test_under_a_callers_torch_compile_the_reference_is_traced(fused_on):
+    spec = resolve_format(num_bits=8)
+    x = torch.randn(8, 64)
+    amax = reduce_amax(x, spec)
+    torch._dynamo.reset()
+    traced = torch.compile(lambda t: dispatch_fake_quant(t, spec, amax), backend="eager")
+    before = fused_call_count()
+    out = traced(x)
+    assert fused_call_count() == before  # no compiled kernel called from inside the caller's graph
+    assert torch.equal(out, fake_quant_reference(x, spec, amax))
+
+
 def test_wrong_amax_still_raises_the_reference_error(fused_on):
     spec = resolve_format(num_bits=4, block_sizes={-1: 32})
     x = torch.randn(4, 64)

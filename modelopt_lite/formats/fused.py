@@ -2,15 +2,17 @@
 loop over the data (inductor's C++ backend), with the eager reference as fallback and oracle.
 
 The compiled kernels call the same primitive functions as the reference (:func:`.integer.int_apply`,
-:func:`.fp8.fp8_apply`, :func:`.nvfp4.nvfp4_block_scales`, :func:`.rounding.e2m1_round`, ...), so every
-element gets the same float32 operations in the same order: results equal the reference bit for bit
-(tested). Inductor on CPU keeps true divisions (no reciprocal multiply) and does not contract into FMAs.
-What stays eager is the data-dependent part of a format (an amax of zero, a global amax computed from the
-input), which costs one reduction at most.
+:func:`.fp8.fp8_apply`, :func:`.nvfp4.nvfp4_block_scales`, :func:`.rounding.minifloat_round`, ...), so every
+element gets the same float32 operations in the same order; NVFP4's E2M1 rounding is written as compares
+(:func:`_e2m1_round_steps`), which vectorize where the reference's bit casts do not. Results equal the
+reference bit for bit (tested). Inductor on CPU keeps true divisions (no reciprocal multiply) and does not
+contract into FMAs. What stays eager is the data-dependent part of a format (an amax of zero, a global amax
+computed from the input, NVFP4's per-block scales between its two passes).
 
-One kernel is compiled per format (spec), dtype and shape class (number of dimensions, contiguity), lazily
-on the first call that needs it, never at import; dimensions are dynamic, so other sizes of the same class
-reuse it. Compile time is logged at DEBUG.
+One kernel is compiled per format (spec), dtype and shape class (number of dimensions, last dimension,
+contiguity; inputs of more than two dimensions run as ``(rows, cols)`` where the amax allows), lazily on the
+first call that needs it, never at import; the leading dimensions are dynamic, so other sizes of the same
+class reuse it. Compile time is logged at DEBUG.
 
 Controls:
 

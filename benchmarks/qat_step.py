@@ -1,20 +1,22 @@
 """QAT training-step time through the real trainers: ``QATTrainer`` / plain ``transformers.Trainer``.
 
     OMP_NUM_THREADS=2 python benchmarks/qat_step.py [--steps 5] [--warmup 2] [--rounds 1] [--quick] [--json F]
+        [--malloc both|on|off]
 
 Model: ``LlamaForCausalLM`` from a config (hidden 256, intermediate 688, 4 layers, 4 heads / 2 KV heads,
-vocab 4096), fp32, ``torch.manual_seed(0)``. Data: ``--warmup + --steps`` batches of 4x128 random
-``input_ids`` (fixed generator; ``labels`` = ``input_ids``). ``TrainingArguments`` are the same for every run:
-``max_steps = warmup + steps``, batch 4, AdamW (Trainer's default) lr 1e-4 with the linear schedule,
-``use_cpu=True``, ``report_to=[]``, ``save_strategy="no"``, ``logging_steps=1``, seed 0.
+vocab 4096 or ``--vocab``), fp32, ``torch.manual_seed(0)``. Data: ``--warmup + --steps`` batches of 4x128
+random ``input_ids`` (fixed generator; ``labels`` = ``input_ids``). ``TrainingArguments`` are the same for
+every run: ``max_steps = warmup + steps``, batch 4, AdamW (Trainer's default) lr 1e-4 with the linear
+schedule, ``use_cpu=True``, ``report_to=[]``, ``save_strategy="no"``, ``logging_steps=1``, seed 0.
 
 Trainers, each ``train()`` in a fresh process:
 
 * ``plain``: ``transformers.Trainer`` on the unquantized model (the baseline of every ratio);
 * ``ours``: ``modelopt_lite.training.QATTrainer`` with ``QuantizationArguments(recipe=PRESET, calib_size=8,
-  calib_batch_size=4)``: it quantizes and max-calibrates on the first 8 train samples inside ``train()``,
-  before the loop; its ``training_step`` collects garbage first, and the collector is frozen after the first
-  optimizer step (the default ``manual_gc=True``);
+  calib_batch_size=4, malloc_tuning=on|off)``: ``quantize_model()`` quantizes and max-calibrates on the first
+  8 train samples (timed; ``train()`` would do it first, and skips it on a quantized model); its
+  ``training_step`` collects garbage first, and the collector is frozen after the first optimizer step (the
+  default ``manual_gc=True``);
 * ``ref``: nvidia-modelopt's ``modelopt.torch.quantization.plugins.transformers_trainer.QATTrainer`` under
   ``--reference-python`` (default ``$MODELOPT_REFERENCE_PYTHON``) with its
   ``QuantizationArguments(calib_size=8)``. Its ``recipe`` argument takes only recipe YAML files
@@ -28,6 +30,18 @@ Trainers, each ``train()`` in a fresh process:
   with their ``.dist-info``) are lent to it through a folder of symlinks on ``PYTHONPATH``, so both sides run
   the same transformers, accelerate and torch. A reference that cannot be imported or fails shows as
   ``n/a (reason: ...)`` with the exception message.
+
+Allocator (``--malloc``, default ``both``): ``plain`` and ``ours`` run once with glibc's allocator as it
+comes (``off``: ``QuantizationArguments(malloc_tuning="off")``; the plain ``Trainer`` untouched) and once
+with the trainers' allocator setting (``on``: ``malloc_tuning="on"``, i.e. glibc's mmap / trim thresholds
+raised for ``train()``; the plain ``Trainer``'s ``train()`` inside ``modelopt_lite.allocator.malloc_tuned()``,
+the same policy -- what the setting buys any CPU training loop). The reference runs with glibc's defaults
+only. A ``MALLOC_*_`` / ``GLIBC_TUNABLES`` allocator setting in the environment turns the ``on`` runs into
+``off`` runs (the policy keeps the user's setting): the table says so. ``ours`` also times its calibration
+(``QATTrainer.quantize_model()``, i.e. ``mtq.quantize`` with max calibration on the 8 samples), called before
+``train()`` under the same setting. Every child also reports, per timed step, its minor page faults
+(``getrusage``) and CPU seconds (``time.process_time``, all threads) -- less sensitive to a shared machine
+than wall time -- and its peak RSS (``VmHWM``).
 
 Presets: ``FP8_DEFAULT_CFG``, ``NVFP4_DEFAULT_CFG``, ``INT4_BLOCKWISE_WEIGHT_ONLY_CFG``. Timed: with a
 ``TrainerCallback`` added last, ``time.perf_counter()`` from ``on_step_begin`` to ``on_step_end`` of every
@@ -72,9 +86,13 @@ MODEL = dict(
 # ----------------------------------------------------------------------------------------------- child
 
 
-def _child(which: str, config: str, threads: int, warmup: int, steps: int) -> dict:
+def _child(
+    which: str, config: str, threads: int, warmup: int, steps: int, malloc: str = "off", vocab: int = VOCAB
+) -> dict:
+    import contextlib
     import copy
     import gc
+    import resource
     import tempfile
 
     import torch
@@ -82,9 +100,9 @@ def _child(which: str, config: str, threads: int, warmup: int, steps: int) -> di
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**MODEL)).float()
+    model = LlamaForCausalLM(LlamaConfig(**{**MODEL, "vocab_size": vocab})).float()
     gen = torch.Generator().manual_seed(1234)
-    ids = torch.randint(0, VOCAB, (BATCH * (warmup + steps), SEQ), generator=gen)
+    ids = torch.randint(0, vocab, (BATCH * (warmup + steps), SEQ), generator=gen)
     data = [{"input_ids": row, "labels": row} for row in ids]
 
     class StepTimer(TrainerCallback):
@@ -95,6 +113,8 @@ def _child(which: str, config: str, threads: int, warmup: int, steps: int) -> di
             self.times: list[float] = []
             self.step, self.start, self.window, self.timing = 0, 0.0, None, False
             self.gc_start, self.gc_seconds, self.gc_runs = 0.0, 0.0, 0
+            self.probe, self.malloc_state = (lambda: "off"), "off"  # the allocator policy's state
+            self.faults, self.cpu, self.faults0, self.cpu0 = 0, 0.0, 0, 0.0
 
         def __call__(self, phase: str, info: dict) -> None:  # gc.callbacks hook
             if phase == "start":
@@ -106,14 +126,19 @@ def _child(which: str, config: str, threads: int, warmup: int, steps: int) -> di
         def on_step_begin(self, args, state, control, **kwargs):
             if self.step == warmup:  # first timed step: start the load window
                 self.window = h.CpuMark.now()
+                self.malloc_state = self.probe()
             self.timing = self.step >= warmup
+            self.faults0, self.cpu0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.process_time()
             self.start = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
             seconds = time.perf_counter() - self.start
+            cpu, faults = time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             self.timing = False
             if self.step >= warmup:
                 self.times.append(seconds)
+                self.faults += faults - self.faults0
+                self.cpu += cpu - self.cpu0
             self.step += 1
 
     timer = StepTimer()
@@ -129,7 +154,10 @@ def _child(which: str, config: str, threads: int, warmup: int, steps: int) -> di
         elif which == "ours":
             from modelopt_lite.training import QATTrainer, QuantizationArguments
 
-            quant = QuantizationArguments(recipe=config, calib_size=CALIB_SAMPLES, calib_batch_size=BATCH)
+            quant = QuantizationArguments(
+                recipe=config, calib_size=CALIB_SAMPLES, calib_batch_size=BATCH,
+                malloc_tuning="on" if malloc == "on" else "off",
+            )  # fmt: skip
             trainer = QATTrainer(model=model, args=args, train_dataset=data, quant_args=quant)
         else:
             import importlib
@@ -142,9 +170,26 @@ def _child(which: str, config: str, threads: int, warmup: int, steps: int) -> di
             quant_args = plugin.QuantizationArguments(calib_size=CALIB_SAMPLES)
             trainer = plugin.QATTrainer(model=model, args=args, train_dataset=data, quant_args=quant_args)
             trainer.quant_cfg = copy.deepcopy(getattr(mtq, config))  # what its _quantize_model reads
+        tuned = malloc == "on"
+        calib_s = float("nan")
+        if which == "ours":
+            from modelopt_lite.allocator import malloc_tuned
+
+            with malloc_tuned() if tuned else contextlib.nullcontext():
+                start = time.perf_counter()
+                trainer.quantize_model()  # train() skips it now: the model carries quantizer state
+                calib_s = time.perf_counter() - start
+            timer.probe = lambda: trainer.malloc_policy.state
         trainer.add_callback(timer)
         start = time.perf_counter()
-        trainer.train()
+        if which == "plain" and tuned:
+            from modelopt_lite.allocator import malloc_tuned
+
+            with malloc_tuned() as policy:
+                timer.probe = lambda: policy.state
+                trainer.train()
+        else:
+            trainer.train()
         train_s = time.perf_counter() - start
         others = timer.window.since()[1] if timer.window is not None else float("nan")
     if len(timer.times) != steps:
@@ -155,7 +200,9 @@ def _child(which: str, config: str, threads: int, warmup: int, steps: int) -> di
         "times": timer.times, "train_s": train_s, "other_cores_busy": others, "final_loss": losses[-1],
         "quantizers": len(quantizers), "enabled_quantizers": sum(bool(q.is_enabled) for q in quantizers),
         "torch": torch.__version__, "gc_s_per_step": timer.gc_seconds / steps,
-        "gc_runs_per_step": timer.gc_runs / steps,
+        "gc_runs_per_step": timer.gc_runs / steps, "calib_s": calib_s, "malloc_state": timer.malloc_state,
+        "minflt_per_step": timer.faults / steps, "cpu_s_per_step": timer.cpu / steps,
+        "peak_rss_mb": h.status_mb("VmHWM"),
     }  # fmt: skip
 
 
@@ -215,7 +262,7 @@ def _borrow(python: str) -> tuple[str | None, list[str], str | None]:
     return shim, borrowed, err
 
 
-def _run_child(which: str, config: str, python: str, extra_path: str | None, args) -> dict:
+def _run_child(which: str, config: str, malloc: str, python: str, extra_path: str | None, args) -> dict:
     """Run one ``train()`` in a fresh process after waiting for a quiet machine; rerun while other
     processes kept > ``--max-other-load`` cores busy during its timed steps (if every try was disturbed, the
     least disturbed one is kept, flagged ``loaded``)."""
@@ -225,18 +272,21 @@ def _run_child(which: str, config: str, python: str, extra_path: str | None, arg
     )  # fmt: skip
     cmd = [python, os.path.abspath(__file__), "--child", which, "--config", config]
     cmd += ["--threads", str(args.threads), "--warmup", str(args.warmup), "--steps", str(args.steps)]
+    cmd += ["--malloc", malloc, "--vocab", str(args.vocab)]
 
     def show(res: dict) -> None:
         times = ", ".join(f"{t:.3f}" for t in res["times"])
         print(
-            f"  {which:<5} {config}: {times} s/step; train() {res['train_s']:.1f} s, loss "
+            f"  {which:<5} {config} malloc {malloc}: {times} s/step; train() {res['train_s']:.1f} s, loss "
             f"{res['final_loss']:.3f}, {res['enabled_quantizers']}/{res['quantizers']} quantizers on, gc "
-            f"{res['gc_s_per_step']:.3f} s/step; others {res['other_cores_busy']:.2f} cores", flush=True,
+            f"{res['gc_s_per_step']:.3f} s/step; calib {res['calib_s']:.2f} s; peak RSS "
+            f"{res['peak_rss_mb']:.0f} MB; allocator {res['malloc_state']}; others "
+            f"{res['other_cores_busy']:.2f} cores", flush=True,
         )  # fmt: skip
 
     def disturbed(res: dict, retrying: bool) -> None:
         note = ", retrying" if retrying else "; keeping the least disturbed (flagged loaded)"
-        print(f"  {which} {config}: disturbed{note}", flush=True)
+        print(f"  {which} {config} malloc {malloc}: disturbed{note}", flush=True)
 
     return h.run_child_when_quiet(
         cmd, env, max_other=args.max_other_load, max_wait=args.max_wait, retries=args.retries,
@@ -258,6 +308,11 @@ def _pool(runs: list[dict]) -> dict:
         "final_loss": statistics.median(r["final_loss"] for r in runs),
         "gc_s_per_step": statistics.median(r["gc_s_per_step"] for r in runs),
         "gc_runs_per_step": statistics.median(r["gc_runs_per_step"] for r in runs),
+        "calib": h.time_stats(r["calib_s"] for r in runs),
+        "peak_rss_mb": max(r["peak_rss_mb"] for r in runs),
+        "malloc_states": sorted({r["malloc_state"] for r in runs}),
+        "minflt_per_step": statistics.median(r["minflt_per_step"] for r in runs),
+        "cpu_s_per_step": statistics.median(r["cpu_s_per_step"] for r in runs),
     }  # fmt: skip
 
 
@@ -299,18 +354,29 @@ def main() -> None:
         help="interpreter with nvidia-modelopt installed (reference column skipped when missing)",
     )
     parser.add_argument("--no-reference", action="store_true", help="skip nvidia-modelopt")
+    parser.add_argument(
+        "--malloc", choices=["both", "on", "off"], default="both",
+        help="glibc allocator setting of plain / ours: off (glibc as it comes), on (the trainers' "
+        "malloc_tuning), both (default)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--vocab", type=int, default=VOCAB,
+        help="vocabulary size (32000: logits and embedding gradients above glibc's 32 MiB mmap ceiling)",
+    )  # fmt: skip
     parser.add_argument("--child", choices=["plain", "ours", "ref"], help=argparse.SUPPRESS)
     parser.add_argument("--config", default="none", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        h.run_and_emit(lambda: _child(args.child, args.config, args.threads, args.warmup, args.steps), 300)
+        a = args
+        run = lambda: _child(a.child, a.config, a.threads, a.warmup, a.steps, a.malloc, a.vocab)  # noqa: E731
+        h.run_and_emit(run, 300)
         return
     if args.quick:
         args.steps, args.warmup = 2, 1
     configs = args.configs or (QUICK_CONFIGS if args.quick else CONFIGS)
 
     print(
-        f"tiny Llama (hidden 256, 4 layers, vocab {VOCAB}), fp32, batch {BATCH}x{SEQ}; threads "
+        f"tiny Llama (hidden 256, 4 layers, vocab {args.vocab}), fp32, batch {BATCH}x{SEQ}; threads "
         f"{args.threads}; {args.steps} timed steps after {args.warmup} warm-up step(s), {args.rounds} "
         "round(s); each train() in a fresh process", flush=True,
     )  # fmt: skip
@@ -333,57 +399,108 @@ def main() -> None:
     if not ref_ok:
         print(f"note: reference: {ref_note}", flush=True)
 
-    runs: dict[tuple[str, str], list[dict]] = {}
+    mallocs = ["off", "on"] if args.malloc == "both" else [args.malloc]
+    user_env = [n for n in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_MAX_",
+                            "MALLOC_TOP_PAD_", "GLIBC_TUNABLES") if os.environ.get(n)]  # fmt: skip
+    if user_env:
+        print(f"note: {', '.join(user_env)} set: the 'on' runs keep that setting (policy off)", flush=True)
+    runs: dict[tuple[str, str, str], list[dict]] = {}
     for _ in range(args.rounds):
-        jobs = [("plain", "none", sys.executable, h.REPO_ROOT)]
+        jobs = [("plain", "none", m, sys.executable, h.REPO_ROOT) for m in mallocs]
         for config in configs:
-            jobs.append(("ours", config, sys.executable, h.REPO_ROOT))
+            jobs += [("ours", config, m, sys.executable, h.REPO_ROOT) for m in mallocs]
             if ref_ok:
-                jobs.append(("ref", config, ref_python, ref_path))
-        jobs.append(jobs[0])  # the baseline again at the end: drift hits it like the others
-        for which, config, python, extra_path in jobs:
-            runs.setdefault((which, config), []).append(_run_child(which, config, python, extra_path, args))
+                jobs.append(("ref", config, "off", ref_python, ref_path))
+        jobs += jobs[: len(mallocs)]  # the baselines again at the end: drift hits them like the others
+        for which, config, malloc, python, extra_path in jobs:
+            res = _run_child(which, config, malloc, python, extra_path, args)
+            runs.setdefault((which, config, malloc), []).append(res)
     pooled = {key: _pool(value) for key, value in runs.items()}
-    plain = pooled["plain", "none"]
     ref_missing = {"error": ref_note} if not ref_ok else None
 
+    n = args.steps * args.rounds
     print(
-        f"\n### Training step time, seconds per optimizer step: median (min) of {args.steps * args.rounds} "
-        f"steps; ratio to plain `transformers.Trainer` from medians (mins)\n"
+        f"\n### Training step time, seconds per optimizer step: median (min) of {n} steps; ratios from "
+        "medians (mins); each trainer against the plain `transformers.Trainer` under the same allocator "
+        "setting\n"
     )
-    print("| recipe | ours s/step | ours / plain | reference s/step | reference / plain | ours / reference |")
-    print("|---|---|---|---|---|---|")
-    cell, _ = _cell(plain, plain)
-    print(f"| none (plain `Trainer`) | {cell} | 1.00x | | | |")
+    head = "| trainer, recipe |"
+    rule = "|---|"
+    for m in mallocs:
+        label = "glibc as it comes" if m == "off" else "malloc_tuning on"
+        head += f" s/step, {label} | / plain ({m}) |"
+        rule += "---|---|"
+    if len(mallocs) == 2:
+        head += " on / off |"
+        rule += "---|"
+    print(head + "\n" + rule)
+
+    def row(label: str, which: str, config: str) -> None:
+        line = f"| {label} |"
+        cells = {}
+        for m in mallocs:
+            cells[m] = pooled.get((which, config, m), ref_missing if which == "ref" and m == "off" else None)
+            plain = pooled["plain", "none", m]
+            cell, ratio = _cell(cells[m], plain) if cells[m] is not None else ("", "")
+            line += f" {cell} | {ratio} |"
+        if len(mallocs) == 2:
+            on, off = cells["on"], cells["off"]
+            ok = on is not None and off is not None and "error" not in on and "error" not in off
+            line += f" {_ratio(on, off)} |" if ok else " |"
+        print(line)
+
+    row("plain `Trainer`", "plain", "none")
     for config in configs:
-        ours = pooled["ours", config]
-        ref = pooled.get(("ref", config), ref_missing)
-        (o_cell, o_ratio), (r_cell, r_ratio) = _cell(ours, plain), _cell(ref, plain)
-        versus = "n/a"
-        if "error" not in ours and ref is not None and "error" not in ref:
-            versus = f"{ours['median_s'] / ref['median_s']:.2f}x ({ours['min_s'] / ref['min_s']:.2f}x)"
-        print(f"| {config} | {o_cell} | {o_ratio} | {r_cell} | {r_ratio} | {versus} |")
+        row(f"ours {config}", "ours", config)
+        if not args.no_reference:
+            row(f"reference {config}", "ref", config)
+
+    print("\nCalibration (`QATTrainer.quantize_model()`, max on 8 samples), seconds: median (min)")
+    for config in configs:
+        parts = []
+        for m in mallocs:
+            res = pooled.get(("ours", config, m))
+            parts.append(
+                f"{m} " + ("n/a" if res is None or "error" in res else h.fmt_median_min(res["calib"], ".2f"))
+            )
+        print(f"  {config}: {'; '.join(parts)}")
+    print(
+        "\nper timed step (medians over processes): minor page faults, CPU seconds of the process (all its "
+        "threads); peak RSS of the child (VmHWM, MB, max over rounds); allocator policy state in train():"
+    )
+    for (side, config, m), res in pooled.items():
+        if "error" not in res:
+            states = ", ".join(res["malloc_states"])
+            print(
+                f"  {side} {config} {m}: {res['minflt_per_step']:.0f} faults, "
+                f"{res['cpu_s_per_step']:.3f} CPU s; {res['peak_rss_mb']:.0f} MB; allocator {states}"
+            )
     print("\nquantizers enabled, final loss, garbage collection inside the timed steps (s/step, runs/step):")
-    print(f"  plain Trainer: {_details(plain)}")
-    for config in configs:
-        ours, ref = _details(pooled.get(("ours", config))), _details(pooled.get(("ref", config)))
-        print(f"  {config}: ours {ours}; reference {ref}")
-    loaded = [f"{s} {c}" for (s, c), m in pooled.items() if m.get("loaded_runs")]
+    for (side, config, m), res in pooled.items():
+        print(f"  {side} {config} {m}: {_details(res)}")
+    loaded = [" ".join(k) for k, m in pooled.items() if m.get("loaded_runs")]
     if loaded:
         print(f"\nwarning: still disturbed by other processes after retries: {', '.join(loaded)} (inflated)")
     torches = {r["torch"] for rs in runs.values() for r in rs if "torch" in r}
     if len(torches) > 1:
         print(f"\nwarning: the children ran different torch versions: {sorted(torches)}")
-    for (side, config), m in pooled.items():
+    for key, m in pooled.items():
         if "error" in m:
             tb = (m.get("traceback") or "").strip().splitlines()
-            print(f"\n{side} {config} failed: {m['error']}" + ("\n  " + "\n  ".join(tb[-5:]) if tb else ""))
+            print(f"\n{' '.join(key)} failed: {m['error']}" + ("\n  " + "\n  ".join(tb[-5:]) if tb else ""))
     if args.json:
         with open(args.json, "w") as f:
             meta = dict(threads=args.threads, steps=args.steps, warmup=args.warmup, rounds=args.rounds)
-            meta.update(reference_python=ref_python, reference_note=ref_note, configs=configs)
-            rows = {f"{side}/{config}": m for (side, config), m in pooled.items()}
+            meta.update(
+                reference_python=ref_python, reference_note=ref_note, configs=configs, mallocs=mallocs
+            )
+            rows = {"/".join(key): m for key, m in pooled.items()}
             json.dump({**meta, "results": rows}, f, indent=1)
+
+
+def _ratio(a: dict, b: dict) -> str:
+    """``median ratio (min ratio)`` of two pooled timings."""
+    return f"{a['median_s'] / b['median_s']:.2f}x ({a['min_s'] / b['min_s']:.2f}x)"
 
 
 if __name__ == "__main__":

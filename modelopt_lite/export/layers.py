@@ -20,7 +20,7 @@ from ..logging import get_logger
 from ..moe import QuantExperts
 from ..nn import QuantAttention, QuantLinear, TensorQuantizer
 from ..nn.quant_module import Quantizer
-from ..quantization.compress import CompressedLinear
+from ..quantization.compress import CompressedExperts, CompressedLinear
 from ..quantization.packers import (
     SUPPORTED,
     UnsupportedFormatError,
@@ -219,15 +219,15 @@ def export_plan(model: nn.Module) -> list[ExportModule]:
     formats; reads no weight (safe on an FSDP2-sharded model)."""
     plan: list[ExportModule] = []
     for name, module in model.named_modules():
-        if isinstance(module, QuantExperts):
-            algos = [spec[2] for spec in _experts_specs(name, module)]
-            replaced = {f"{name}.{p}" for proj in module._projections for p in (proj, f"{proj}_bias")}
-            plan.append(ExportModule(name, module, replaced, algos))
-        elif isinstance(module, CompressedLinear):
+        if isinstance(module, (CompressedLinear, CompressedExperts)):
             raise UnsupportedFormatError(
                 f"{name}: the layer is compressed (mtq.compress); export the model before compressing it "
                 "(the export writes the same packed tensors), or save the compressed model with mto.save"
             )
+        elif isinstance(module, QuantExperts):
+            algos = [spec[2] for spec in _experts_specs(name, module)]
+            replaced = {f"{name}.{p}" for proj in module._projections for p in (proj, f"{proj}_bias")}
+            plan.append(ExportModule(name, module, replaced, algos))
         elif isinstance(module, QuantLinear):
             algo = linear_format(name, module)
             if algo is not None:

@@ -17,6 +17,11 @@ computes with them in one of two ways:
 
 The input quantizer (activation fake quant, ``pre_quant_scale``) stays as it was on the dequantize path.
 Fine-tuning on top of frozen compressed weights (QLoRA style) is out of scope: train before compressing.
+
+Fused MoE experts (:class:`~modelopt_lite.moe.QuantExperts`) are compressed per projection: each expert's
+weight is packed by the same packer and the experts' tensors are stacked along a leading experts dimension
+(:class:`CompressedExperts`); the forward dequantizes one projection, all its experts, on the fly and runs
+the experts backend as before, bit for bit.
 """
 
 from __future__ import annotations
@@ -37,10 +42,12 @@ from ..nn import QUANT_MODULES, QuantLinear
 from ..nn.errors import UnsupportedFeatureError
 from .calibrate import check_calibrated
 from .config_models import CompressConfig
-from .packers import Packer, UnsupportedFormatError, get_packer, linear_format
+from .packers import Packer, UnsupportedFormatError, detect_format, get_packer, linear_format
 
 __all__ = [
     "W8A8_TOLERANCE",
+    "CompressedExperts",
+    "CompressedLinear",
     "compress",
     "compressed_layers",
     "compressed_state",
@@ -163,14 +170,180 @@ def _compressed_class(cls: type[nn.Module]) -> type[nn.Module]:
     return type(f"Compressed{cls.__name__}", (CompressedLinear, cls), attrs)
 
 
+class CompressedExperts(nn.Module):
+    """Mixin of a compressed :class:`~modelopt_lite.moe.QuantExperts`: for each compressed projection
+    ``<proj>`` (``gate_up_proj`` / ``up_proj``, ``down_proj``) the buffers ``<proj>`` (the codes),
+    ``<proj>_weight_scale`` and ``<proj>_weight_scale_2`` hold the packer's tensors of every expert stacked
+    along a leading experts dimension (each expert packed as ``(out, in)``, whatever the storage layout);
+    ``quant_algos`` names each compressed projection's format. :meth:`quantized_weight` (what every experts
+    backend multiplies by) rebuilds one projection, all its experts, from them."""
+
+    quant_algos: dict[str, str]
+    group_sizes: dict[str, int | None]
+    _weight_dtype: torch.dtype
+    #: the 3-D parameter's shape per compressed projection (in the model's storage layout)
+    _weight_shapes: dict[str, torch.Size]
+
+    def _packed(self) -> dict[str, torch.Tensor]:
+        return {
+            n: self._buffers[n]
+            for proj in self.quant_algos
+            for n in _expert_names(proj)
+            if n in self._buffers
+        }
+
+    def _expert_tensors(self, proj: str, expert: int) -> dict[str, torch.Tensor]:
+        return {
+            t: self._buffers[n][expert]
+            for t, n in zip(_TENSORS, _expert_names(proj), strict=True)
+            if n in self._buffers
+        }
+
+    def quantized_weight(self, proj: str) -> torch.Tensor:
+        """The 3-D weight of ``proj``, each expert dequantized (what its fake quantization returned)."""
+        if proj not in self.quant_algos:
+            return super().quantized_weight(proj)  # type: ignore[misc]
+        return self._dequantized(proj)
+
+    @torch.no_grad()
+    def _dequantized(self, proj: str) -> torch.Tensor:
+        packer, group = get_packer(self.quant_algos[proj]), self.group_sizes.get(proj)
+        quantizers = getattr(self, f"{proj}_weight_quantizers")
+        out = torch.empty(
+            self._weight_shapes[proj], dtype=self._weight_dtype, device=self._buffers[proj].device
+        )
+        for expert, q in enumerate(quantizers):
+            w = packer.dequantize(self._expert_tensors(proj, expert), group)
+            if not packer.exact_dequantize:
+                w = q(w)  # within one ulp of the fake-quantized weight: the quantizer maps it back exactly
+            out[expert] = w.t() if self.is_transposed else w  # type: ignore[attr-defined]
+        return out
+
+    def expert_weight(self, proj: str, expert: int) -> torch.Tensor:
+        """Expert ``expert``'s weight of ``proj`` as ``(out, in)``, dequantized if ``proj`` is compressed."""
+        if proj not in self.quant_algos:
+            return super().expert_weight(proj, expert)  # type: ignore[misc]
+        w = self.quantized_weight(proj)[expert]
+        return w.t() if self.is_transposed else w  # type: ignore[attr-defined]
+
+    def fold_weight(self) -> None:
+        raise UnsupportedFeatureError(
+            f"{type(self).__name__}: the experts are compressed (their weights are already real "
+            f"{_algos(self.quant_algos)}); fold_weight applies to fake-quantized experts, before mtq.compress"
+        )
+
+    def weight_quantizer_pairs(self):  # type: ignore[override]
+        raise UnsupportedFeatureError(
+            f"{type(self).__name__}: the experts are compressed; calibrate (mtq.quantize, mtq.calibrate) "
+            "before mtq.compress"
+        )
+
+    def _apply(self, fn, recurse=True):  # type: ignore[override]
+        # as CompressedLinear: the codes and scales keep their dtypes, the compute dtype follows the cast
+        saved = self._packed()
+        super()._apply(fn, recurse)
+        for name, old in saved.items():
+            new = self._buffers[name]
+            if new.dtype != old.dtype:
+                self._buffers[name] = old.to(device=new.device)
+        self._weight_dtype = fn(torch.empty(0, dtype=self._weight_dtype)).dtype
+        return self
+
+
+def _expert_names(proj: str) -> tuple[str, str, str]:
+    """The buffer names of a compressed experts projection, in the order of ``_TENSORS``."""
+    return proj, f"{proj}_weight_scale", f"{proj}_weight_scale_2"
+
+
+def _algos(algos: dict[str, str]) -> str:
+    return "/".join(sorted(set(algos.values())))
+
+
+@cache
+def _compressed_experts_class(cls: type[nn.Module]) -> type[nn.Module]:
+    attrs = {"__module__": __name__, "original_cls": cls.original_cls}
+    return type(f"Compressed{cls.__name__}", (CompressedExperts, cls), attrs)
+
+
+def _convert_experts(
+    module: QuantExperts,
+    projections: dict[str, tuple[str, int | None, dict[str, torch.Tensor]]],
+    dtype: torch.dtype,
+) -> None:
+    """``projections``: ``{proj: (quant_algo, group_size, stacked tensors)}``, the projections to compress."""
+    if not isinstance(module, CompressedExperts):
+        module.__class__ = _compressed_experts_class(type(module))
+        module.quant_algos, module.group_sizes, module._weight_shapes = {}, {}, {}
+        module._weight_dtype = dtype
+    for proj, (algo, group, tensors) in projections.items():
+        shape = getattr(module, proj).shape
+        delattr(module, proj)  # the full-precision 3-D parameter goes; the codes take its name
+        for tensor_name, buffer_name in zip(_TENSORS, _expert_names(proj), strict=True):
+            if tensor_name in tensors:
+                module.register_buffer(buffer_name, tensors[tensor_name].contiguous())
+        module.quant_algos[proj], module.group_sizes[proj], module._weight_shapes[proj] = algo, group, shape
+
+
+def _experts_plan(name: str, module: QuantExperts) -> tuple[dict[str, str], dict[str, str]]:
+    """``({proj: quant_algo}, {proj: why not})``: the projections of ``module`` to compress (every expert in
+    one format the packers write, shapes they can pack), and those left fake-quantized with the reason."""
+    plan, skipped = {}, {}
+    if isinstance(module, CompressedExperts):
+        return plan, skipped
+    for proj in module._projections:
+        iq = getattr(module, f"{proj}_input_quantizer")
+        quantizers = getattr(module, f"{proj}_weight_quantizers")
+        algos = {detect_format(f"{name}.{proj}[{e}]", q, iq) for e, q in enumerate(quantizers)}
+        if algos == {None}:
+            continue
+        if len(algos) > 1:
+            skipped[proj] = f"its experts mix formats {sorted(str(a) for a in algos)}"
+            continue
+        algo = algos.pop()
+        try:
+            get_packer(algo).check_shape(module.expert_weight(proj, 0).shape)
+        except ValueError as err:
+            raise UnsupportedFormatError(
+                f"{name}.{proj}: {err}; exclude the experts from quantization"
+            ) from None
+        groups = {get_packer(algo).group_size(q) for q in quantizers}
+        if len(groups) > 1:
+            skipped[proj] = f"its experts use different {algo} block sizes {sorted(groups)}"
+            continue
+        plan[proj] = algo
+    return plan, skipped
+
+
+@torch.no_grad()
+def _compress_experts(module: QuantExperts, plan: dict[str, str]) -> None:
+    projections = {}
+    dtype = getattr(module, module._projections[0]).dtype
+    for proj, algo in plan.items():
+        packer = get_packer(algo)
+        quantizers = getattr(module, f"{proj}_weight_quantizers")
+        per_expert = [
+            packer.pack(module.expert_weight(proj, e).detach(), q) for e, q in enumerate(quantizers)
+        ]
+        stacked = {t: torch.stack([p[t] for p in per_expert]) for t in per_expert[0]}
+        projections[proj] = (algo, packer.group_size(quantizers[0]), stacked)
+    _convert_experts(module, projections, dtype)
+
+
 def is_compressed(model: nn.Module) -> bool:
     """Whether some layer of ``model`` holds compressed weights (:func:`compress`)."""
-    return any(isinstance(m, CompressedLinear) for m in model.modules())
+    return any(isinstance(m, (CompressedLinear, CompressedExperts)) for m in model.modules())
 
 
 def compressed_layers(model: nn.Module) -> dict[str, str]:
-    """``{layer name: quant_algo}`` of the compressed layers of ``model``."""
-    return {n: m.quant_algo for n, m in model.named_modules() if isinstance(m, CompressedLinear)}
+    """``{layer name: quant_algo}`` of the compressed layers of ``model``; a compressed fused experts
+    projection is named ``<experts module>.<proj>``."""
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, CompressedLinear):
+            out[name] = m.quant_algo
+        elif isinstance(m, CompressedExperts):
+            out.update({f"{name}.{proj}": algo for proj, algo in m.quant_algos.items()})
+    return out
 
 
 def fast_int8_gemm(device: torch.device) -> bool:
@@ -234,26 +407,62 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def compressed_state(model: nn.Module) -> dict[str, Any]:
     """JSON description of the compressed layers (format, packed tensor shapes and dtypes, compute dtype),
     from which :func:`restore_compressed` re-creates them empty for a checkpoint loader to fill."""
-    return {
-        name: {
-            "quant_algo": m.quant_algo,
-            "weight_dtype": _dtype_name(m._weight_dtype),
-            "weight_shape": list(m._weight_shape),
-            "group_size": m.group_size,
-            "tensors": {n: [list(t.shape), _dtype_name(t.dtype)] for n, t in m._packed().items()},
-        }
-        for name, m in model.named_modules()
-        if isinstance(m, CompressedLinear)
-    }
+    out: dict[str, Any] = {}
+    for name, m in model.named_modules():
+        if isinstance(m, CompressedLinear):
+            out[name] = {
+                "quant_algo": m.quant_algo,
+                "weight_dtype": _dtype_name(m._weight_dtype),
+                "weight_shape": list(m._weight_shape),
+                "group_size": m.group_size,
+                "tensors": {n: [list(t.shape), _dtype_name(t.dtype)] for n, t in m._packed().items()},
+            }
+        elif isinstance(m, CompressedExperts):
+            packed = m._packed()
+            out[name] = {
+                "weight_dtype": _dtype_name(m._weight_dtype),
+                "experts": {
+                    proj: {
+                        "quant_algo": algo,
+                        "group_size": m.group_sizes.get(proj),
+                        "tensors": {
+                            t: [list(packed[n].shape), _dtype_name(packed[n].dtype)]
+                            for t, n in zip(_TENSORS, _expert_names(proj), strict=True)
+                            if n in packed
+                        },
+                    }
+                    for proj, algo in m.quant_algos.items()
+                },
+            }
+    return out
 
 
 def restore_compressed(model: nn.Module, state: dict[str, Any]) -> None:
-    """Turn the quantized layers named in ``state`` (from :func:`compressed_state`) into compressed layers
-    with empty packed tensors (load the checkpoint's tensors into them afterwards)."""
+    """Turn the quantized layers (and fused experts) named in ``state`` (from :func:`compressed_state`) into
+    compressed ones with empty packed tensors (load the checkpoint's tensors into them afterwards)."""
     if state:
         require_torchao()
     for name, entry in state.items():
         module = model.get_submodule(name)
+        if "experts" in entry:
+            if not isinstance(module, QuantExperts):
+                raise ValueError(
+                    f"cannot restore the compressed experts {name!r}: it is not a quantized experts module"
+                )
+            device = getattr(module, next(iter(entry["experts"]))).device
+            projections = {
+                proj: (
+                    e["quant_algo"],
+                    e.get("group_size"),
+                    {
+                        n: torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+                        for n, (shape, dtype) in e["tensors"].items()
+                    },
+                )
+                for proj, e in entry["experts"].items()
+            }
+            _convert_experts(module, projections, getattr(torch, entry["weight_dtype"]))
+            continue
         if not isinstance(module, QuantLinear):
             raise ValueError(f"cannot restore the compressed layer {name!r}: it is not a quantized linear")
         device = module.weight.device
@@ -348,7 +557,9 @@ def compress(model: nn.Module, config: Any = None, *, int8_gemm: bool | None = N
     order, the last match wins) or a :class:`~.config_models.CompressConfig` (``quant_gemm=False``: no int8
     GEMM). ``int8_gemm``: whether W8A8 layers run torchao's int8 GEMM (``None``: where
     it is fast, :func:`fast_int8_gemm`; ``False``: they dequantize on the fly, bit-exact). Layers already
-    compressed are left as they are; fused MoE experts stay fake-quantized (a warning names them). Raises
+    compressed are left as they are. Fused MoE experts are compressed per projection
+    (:class:`CompressedExperts`) when all experts of the projection share one format; a projection whose
+    experts mix formats stays fake-quantized (a warning names it). Raises
     when a quantizer is not calibrated or a layer has no real format, before changing anything."""
     patterns = _patterns(config)
     if isinstance(config, CompressConfig) and not config.quant_gemm:
@@ -356,8 +567,14 @@ def compress(model: nn.Module, config: Any = None, *, int8_gemm: bool | None = N
     require_torchao()
     check_calibrated(model)
     plan: list[tuple[str, QuantLinear, str]] = []
-    experts = [n for n, m in model.named_modules() if isinstance(m, QuantExperts)]
+    experts_plan: list[tuple[str, QuantExperts, dict[str, str]]] = []
+    skipped: dict[str, str] = {}  # fused experts projection -> why it stays fake-quantized
     for name, module in model.named_modules():
+        if isinstance(module, QuantExperts) and _selected(name, patterns):
+            projections, why = _experts_plan(name, module)
+            skipped.update({f"{name}.{proj}": reason for proj, reason in why.items()})
+            if projections:
+                experts_plan.append((name, module, projections))
         if not isinstance(module, QuantLinear) or isinstance(module, CompressedLinear):
             continue
         if not _selected(name, patterns):
@@ -369,13 +586,15 @@ def compress(model: nn.Module, config: Any = None, *, int8_gemm: bool | None = N
             except ValueError as err:
                 raise UnsupportedFormatError(f"{name}: {err}; exclude the layer from quantization") from None
             plan.append((name, module, algo))
-    if not plan and not any(isinstance(m, CompressedLinear) for m in model.modules()):
+    if not plan and not experts_plan and not is_compressed(model):
         raise ValueError(
             f"mtq.compress: {type(model).__name__} has no quantized linear layer to compress; quantize it "
             "first (mtq.quantize(model, config, forward_loop), or train it with QATTrainer)"
         )
     for _, module, algo in plan:
         _compress_layer(module, algo, int8_gemm)
+    for _, module, projections in experts_plan:
+        _compress_experts(module, projections)
     kernels = {name: module.uses_kernel for name, module, _ in plan}
     for algo, count in sorted(Counter(a for n, _, a in plan if not kernels[n]).items()):
         why = "no torchao kernel runs them here"
@@ -390,11 +609,19 @@ def compress(model: nn.Module, config: Any = None, *, int8_gemm: bool | None = N
         )
     for algo, count in sorted(Counter(a for n, _, a in plan if kernels[n]).items()):
         logger.info("mtq.compress: %d %s layer(s) run %s", count, algo, KERNELS[algo])
-    if experts:
+    for algo, count in sorted(Counter(a for _, _, p in experts_plan for a in p.values()).items()):
+        logger.info(
+            "mtq.compress: %d fused MoE experts projection(s) in %s dequantize on the fly (all experts of "
+            "a projection per forward; their outputs equal the fake-quant model's)",
+            count,
+            algo,
+        )
+    if skipped:
+        names = list(skipped)
         logger.warning(
-            "mtq.compress: %d fused MoE experts module(s) stay fake-quantized with full-precision weights "
-            "(not compressed): %s",
-            len(experts),
-            ", ".join(experts[:4]) + (" ..." if len(experts) > 4 else ""),
+            "mtq.compress: %d fused MoE experts projection(s) stay fake-quantized with full-precision "
+            "weights (not compressed): %s",
+            len(names),
+            "; ".join(f"{n} ({skipped[n]})" for n in names[:4]) + (" ..." if len(names) > 4 else ""),
         )
     return model

@@ -219,20 +219,6 @@ def test_unpackable_shape_refused_before_any_change():
     assert not compressed_layers(model)
 
 
-def test_fused_experts_stay_fake_quantized_with_a_warning(lib_caplog):
-    model = quantized("qwen3_moe", "INT8_WEIGHT_ONLY_CFG")
-    ids = batches(n=1, seed=2)[0]
-    ref = _logits(model, ids)
-    with lib_caplog.at_level(logging.WARNING, logger="modelopt_lite.quantization.compress"):
-        mtq.compress(model)
-    warnings = [r.getMessage() for r in lib_caplog.records if r.levelname == "WARNING"]
-    assert len(warnings) == 1
-    assert "fused MoE experts" in warnings[0]
-    assert "mlp.experts" in warnings[0]
-    assert compressed_layers(model)  # the attention projections
-    assert torch.equal(_logits(model, ids), ref)
-
-
 def test_export_of_a_compressed_model_refused(tmp_path):
     from modelopt_lite.export import export_hf_checkpoint
 

@@ -5,6 +5,8 @@
 * :func:`check_same_on_all_ranks`: refuse to go on when ranks disagree (e.g. on the set of quantizers);
 * :func:`all_reduce_max`: element-wise max of named tensors across ranks, where a rank may lack some of
   them (an expert that saw no tokens there);
+* :func:`all_reduce_sum`: element-wise sum of one tensor across ranks (statistics each rank gathered on its
+  own data);
 * :func:`broadcast_tensors`: rank 0's values everywhere;
 * :func:`broadcast_json`: rank 0's JSON-serialisable value everywhere (no pickle).
 """
@@ -25,6 +27,7 @@ __all__ = [
     "RankFailedError",
     "all_ranks_succeed",
     "all_reduce_max",
+    "all_reduce_sum",
     "broadcast_json",
     "broadcast_tensors",
     "check_same_on_all_ranks",
@@ -136,6 +139,19 @@ def all_reduce_max(tensors: dict[str, torch.Tensor | None]) -> dict[str, torch.T
             device=t.device if t is not None else home, dtype=t.dtype if t is not None else buf.dtype
         )
     return out
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Element-wise sum across ranks of ``tensor`` (same shape and dtype on every rank), as a new tensor on
+    ``tensor``'s device; ``tensor`` itself in a single process."""
+    if not is_distributed():
+        return tensor
+    check_same_on_all_ranks(
+        [list(tensor.shape), str(tensor.dtype)], "the shape and dtype of the tensor to sum"
+    )
+    buf = tensor.detach().to(_device()).clone()
+    dist.all_reduce(buf, op=dist.ReduceOp.SUM)
+    return buf.to(tensor.device)
 
 
 def broadcast_tensors(tensors: list[torch.Tensor], src: int = 0) -> None:

@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..distributed import is_distributed
+from ..distributed import all_reduce_sum, check_same_on_all_ranks, is_distributed, is_sharded
 from ..logging import get_logger
 from ..moe import QuantExperts
 from ..nn import QuantModule, SequentialQuantizer, TensorQuantizer, iter_quantizers
@@ -557,6 +557,10 @@ def auto_quantize(
         checkpoint, module_search_spaces, fixed_quantization_config: the reference's extensions; not
             supported here (they raise).
 
+    Under ``torch.distributed`` call it on every rank before ``fully_shard``, each rank with its share of
+    the batches: calibration merges across ranks and the scores are summed over them, so every rank picks
+    the same formats (an FSDP2-sharded model is refused).
+
     The search state holds, per group (``candidate_stats``), its formats, scores, costs (``numel * bits /
     16``) and the config entries of each format, and the choice (``best``); it is plain JSON data.
     """
@@ -567,10 +571,11 @@ def auto_quantize(
     ):
         if value is not None:
             raise UnsupportedFeatureError(f"auto_quantize({name}=...) is not supported; leave it None")
-    if is_distributed():
+    if is_distributed() and is_sharded(model):
         raise UnsupportedFeatureError(
-            "auto_quantize under torch.distributed is not supported: run the search in one process, then "
-            "quantize every rank with mtq.quantize(model, mtq.get_auto_quantize_config(state), forward_loop)"
+            "auto_quantize on an FSDP2-sharded model is not supported: run it before fully_shard (every rank "
+            "holds the whole model during the search and scores its own data; the scores are summed over the "
+            "ranks, so every rank picks the same formats), then shard the quantized model"
         )
     effective_bits = _check_inputs(
         data_loader,
@@ -592,6 +597,11 @@ def auto_quantize(
         groups = _groups(_units(model), formats, patterns)
         if not groups:
             raise ValueError(f"{type(model).__name__} has no quantizable layer with weights to search")
+        if is_distributed():
+            check_same_on_all_ranks(
+                [[g.name for g in groups], [f.name for f in formats], effective_bits, method],
+                "auto_quantize's layer groups, formats, budget and method",
+            )
         low, high = _bits_range(groups)
         if not low - 1e-9 <= effective_bits <= high:
             raise ValueError(
@@ -659,6 +669,8 @@ def _search(
         raw = _kl_scores(model, groups, bank, forward_step, batches)
     for module, mode in training:
         module.training = mode
+    if is_distributed():  # each rank scored its own batches: the scores add up over the ranks
+        raw = all_reduce_sum(torch.from_numpy(raw)).numpy()
 
     stats: dict[str, dict[str, Any]] = {}
     for g, group in enumerate(groups):

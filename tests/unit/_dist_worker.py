@@ -254,7 +254,42 @@ def qat_not_distributed(kind: str, out: Path, rank: int) -> None:
     (out / f"launch_{rank}.json").write_text(json.dumps({"world_size": args.world_size, "outcome": outcome}))
 
 
+AQ_FORMATS = ["NVFP4_DEFAULT_CFG", "FP8_DEFAULT_CFG"]
+
+
+def aq_batches() -> list[dict[str, torch.Tensor]]:
+    return [{"input_ids": x, "labels": x} for x in batches()]
+
+
+def auto_quantize_search(model, method: str, data) -> dict:
+    """One ``mtq.auto_quantize`` search at 6 bits; the search state (JSON data)."""
+    _, state = mtq.auto_quantize(
+        model, {"effective_bits": 6.0}, AQ_FORMATS, data,
+        (lambda m, b: m(**b)) if method == "gradient" else (lambda m, b: m(input_ids=b["input_ids"]).logits),
+        (lambda out, b: out.loss) if method == "gradient" else None,
+        num_calib_steps=len(data), num_score_steps=len(data), method=method,
+    )  # fmt: skip
+    return state
+
+
+def auto_quantize_ranks(kind: str, out: Path, rank: int) -> None:
+    """The search on every rank, each on its half of the data (model replicated, as before fully_shard);
+    then the refusal on a sharded model."""
+    states = {
+        m: auto_quantize_search(MODELS[kind](), m, aq_batches()[rank::2]) for m in ("gradient", "kl_div")
+    }
+    sharded = MODELS[kind]()
+    shard(sharded)
+    try:
+        auto_quantize_search(sharded, "kl_div", aq_batches()[rank::2])
+        states["sharded"] = "ok"
+    except NotImplementedError as err:
+        states["sharded"] = f"{type(err).__name__}: {err}"
+    (out / f"auto_quantize_{rank}.json").write_text(json.dumps(states))
+
+
 SCENARIOS = {
+    "auto_quantize": auto_quantize_ranks,
     "qat_not_distributed": qat_not_distributed,
     "calibrate": calibrate_sharded,
     "fold": fold_sharded,

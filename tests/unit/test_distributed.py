@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 import modelopt_lite.quantization as mtq
 
-from ._dist_worker import CONFIG, MODELS, amax_of, batches, full_state
+from ._dist_worker import CONFIG, MODELS, amax_of, aq_batches, auto_quantize_search, batches, full_state
 from ._models import tiny_llama
 
 pytestmark = pytest.mark.distributed
@@ -75,6 +75,24 @@ def test_fold_through_the_window_equals_folding_the_unsharded_model(tmp_path, ki
     # folding changed the weights (the comparison is not between two unfolded copies)
     name = "model.layers.0.self_attn.o_proj.weight"
     assert not torch.equal(got[name], MODELS[kind]().state_dict()[name])
+
+
+def test_auto_quantize_on_two_ranks_sums_the_scores_and_equals_one_process_on_all_the_data(tmp_path):
+    # each rank scores its half of the batches; summed over the ranks the scores are one process's on all
+    # the batches (calibration: max over the ranks), and every rank picks the same formats
+    _torchrun("auto_quantize", "llama", tmp_path)
+    ranks = [json.loads((tmp_path / f"auto_quantize_{r}.json").read_text()) for r in (0, 1)]
+    for method in ("gradient", "kl_div"):
+        expected = auto_quantize_search(MODELS["llama"](), method, aq_batches())
+        for got in (r[method] for r in ranks):
+            assert got["best"]["recipe"] == expected["best"]["recipe"]
+            assert got["candidate_stats"].keys() == expected["candidate_stats"].keys()
+            for name, stat in expected["candidate_stats"].items():
+                assert got["candidate_stats"][name]["scores"] == pytest.approx(stat["scores"], rel=1e-4), name
+        assert ranks[0][method] == ranks[1][method]
+        assert any(s > 0 for stat in expected["candidate_stats"].values() for s in stat["scores"])
+    for r in ranks:
+        assert r["sharded"].startswith("UnsupportedFeatureError: auto_quantize on an FSDP2-sharded model")
 
 
 def test_bad_input_fails_on_every_rank_without_hanging(tmp_path):

@@ -3,6 +3,8 @@ threshold's ceiling after; a no-op without glibc, when disabled, and when the us
 
 import ctypes
 import logging
+import os
+import subprocess
 import sys
 
 import pytest
@@ -162,17 +164,6 @@ def test_bad_threshold_raises():
             MallocPolicy(mmap_threshold=bad)
 
 
-def test_no_process_wide_change_at_import(monkeypatch):
-    calls = []
-    monkeypatch.setattr(allocator, "_load_glibc", lambda: calls.append(1))
-    import importlib
-
-    import modelopt_lite.training
-
-    importlib.reload(modelopt_lite.training)
-    assert calls == []
-
-
 class _Mallinfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
                                                "fsmblks", "uordblks", "fordblks", "keepcost")]  # fmt: skip
@@ -207,3 +198,24 @@ def test_real_glibc_serves_large_blocks_from_the_heap_while_applied():
         assert not _is_mmapped(libc, size)
     assert _is_mmapped(libc, size)  # back at the ceiling: a block above it is mmapped again
     assert not _is_mmapped(libc, 1024)
+
+
+_IMPORT_THEN_PROBE = """
+import ctypes, sys
+import modelopt_lite, modelopt_lite.allocator, modelopt_lite.training
+sys.path.insert(0, sys.argv[1])
+from test_allocator import _glibc_with_mallinfo2, _is_mmapped
+print(_is_mmapped(_glibc_with_mallinfo2(), 64 * 2**20))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc only")
+def test_importing_the_library_leaves_the_allocator_alone():
+    _glibc_with_mallinfo2()  # skips without glibc >= 2.33
+    env = {k: v for k, v in os.environ.items() if k not in (*USER_ENV_VARS, "GLIBC_TUNABLES")}
+    here = os.path.dirname(os.path.abspath(__file__))
+    out = subprocess.run(
+        [sys.executable, "-c", _IMPORT_THEN_PROBE, here], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "True"  # 64 MiB above glibc's ceiling: still mmapped

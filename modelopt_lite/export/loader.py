@@ -15,8 +15,15 @@ which dequantizes its weight on the fly in each forward and computes what the de
 (bit for bit, a ``pre_quant_scale`` aside: it scales the input instead of the weight's columns). With
 ``int8_gemm=True`` (``None``: where it is fast) W8A8 layers run torchao's int8 GEMM instead, quantizing
 activations with the stored ``input_scale`` as an engine does (outputs then differ from the dequantized load
-by that activation quantization). Fused MoE experts load dequantized (as ``mtq.compress`` leaves them
-fake-quantized): one INFO line per format names every quantized weight that loads in full precision.
+by that activation quantization). Fused MoE experts written per expert (``...experts.{i}.gate_proj`` /
+``up_proj`` / ``down_proj``) become the compressed experts of ``mtq.compress``
+(:func:`~modelopt_lite.quantization.compress.packed_experts`): each projection's per-expert tensors are
+merged as the model fuses them (gate and up rows concatenated, or interleaved for GPT-OSS; every expert
+stays packed ``(out, in)``), never materialising the full-precision 3-D weight, and the forward gives the
+dequantized load's outputs bit for bit. A projection whose experts cannot be merged packed (an unfolded
+``pre_quant_scale``, formats or block sizes that differ between experts, gate and up halves with different
+per-tensor scales) loads dequantized: one INFO line per format names every quantized weight that loads in
+full precision.
 
 :func:`load_hf_checkpoint` adds the checks of ``hf_quant_config.json`` (missing or malformed: a clear error).
 """
@@ -50,16 +57,21 @@ from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from ..logging import get_logger
+from ..moe import QuantExperts
+from ..nn import QUANT_MODULES
 from ..quantization.compress import (
     KERNELS,
+    CompressedExperts,
     CompressedLinear,
     compressed_layers,
     fast_int8_gemm,
+    packed_experts,
     packed_linear,
     require_torchao,
     use_int8_gemm,
 )
 from .hf_config import QUANT_METHOD, validate_hf_quant_config
+from .layers import _interleaved
 from .packers import PACKERS, Packer
 
 __all__ = ["ModeloptExportConfig", "ModeloptExportQuantizer", "dequantize_layer", "load_hf_checkpoint"]
@@ -162,6 +174,20 @@ def _stored_meta(checkpoint_files: list[str]) -> dict[str, dict[str, torch.Tenso
                 if dtype is not None:
                     out.setdefault(stem, {})[name] = torch.empty(sl.get_shape(), dtype=dtype, device="meta")
     return {stem: t for stem, t in out.items() if "weight" in t}
+
+
+def _read_tensors(checkpoint_files: list[str], keys: set[str]) -> dict[str, torch.Tensor]:
+    """The values of a few (small) checkpoint tensors."""
+    from safetensors import safe_open
+
+    out: dict[str, torch.Tensor] = {}
+    for path in checkpoint_files:
+        if not keys or not str(path).endswith(".safetensors"):
+            continue
+        with safe_open(str(path), "pt") as f:
+            for key in keys & set(f.keys()):
+                out[key] = f.get_tensor(key)
+    return out
 
 
 def _first(value: Any) -> Any:
@@ -288,6 +314,61 @@ class ModeloptKeepPacked(ModeloptDequantize):
         return {stem + name: stored[name] for name in ("weight", *sorted(expected - {"weight"}))}
 
 
+#: the packed tensors of one expert projection (``weight`` codes and scales); the stored others are dropped
+_PACKED = ("weight", "weight_scale", "weight_scale_2")
+
+
+class ModeloptKeepPackedExperts(ConversionOps):
+    """Loading op of ``dequantize=False`` on a merge of per-expert weights into a fused experts projection:
+    for experts prepared by :meth:`ModeloptExportQuantizer._prepare_packed` (compressed experts with ``meta``
+    placeholders) the per-expert packed tensors are stacked along the experts dimension, the gate and up
+    halves concatenated (or interleaved) along the rows, each expert staying ``(out, in)`` whatever the
+    model's storage layout; any other merge runs ``fallback`` (dequantize, then the model's own ops)."""
+
+    def __init__(self, hf_quantizer: ModeloptExportQuantizer, fallback: list[ConversionOps]):
+        self.hf_quantizer = hf_quantizer
+        self.fallback = fallback
+
+    def convert(
+        self,
+        input_dict: dict[str, Any],
+        full_layer_name: str | None = None,
+        model: nn.Module | None = None,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        layout = self.hf_quantizer._packed_experts.get(full_layer_name or "")
+        if layout is None:
+            for op in self.fallback:
+                input_dict = op.convert(input_dict, full_layer_name=full_layer_name, model=model, **kwargs)
+            return input_dict
+        halves, interleaved = layout
+        proj = (full_layer_name or "").rpartition(".")[2]
+        groups: dict[tuple[str, str], list[torch.Tensor]] = {}
+        for key, value in input_dict.items():
+            stem, _, tensor = key.rpartition(".")
+            if tensor in _PACKED:
+                groups[(stem.rpartition(".")[2], tensor)] = value if isinstance(value, list) else [value]
+        out: dict[str, torch.Tensor] = {}
+        for tensor, buffer in zip(
+            _PACKED, (proj, f"{proj}_weight_scale", f"{proj}_weight_scale_2"), strict=True
+        ):
+            if (halves[0], tensor) not in groups:
+                continue
+            parts = [torch.stack(groups[(half, tensor)]) for half in halves]
+            if parts[0].ndim == 1:  # one per-tensor scale per expert: the halves share it
+                if not all(torch.equal(p, parts[0]) for p in parts[1:]):
+                    raise ValueError(f"{full_layer_name}: the {halves} experts' {tensor} differ")
+                merged = parts[0]
+            elif len(parts) == 1:
+                merged = parts[0]
+            elif interleaved:  # rows gate_0, up_0, gate_1, ... (GPT-OSS)
+                merged = torch.stack(parts, dim=2).flatten(1, 2)
+            else:
+                merged = torch.cat(parts, dim=1)
+            out[f"{full_layer_name}{buffer.removeprefix(proj)}"] = merged.contiguous()
+        return out
+
+
 def _fused_experts_conversions(experts: str, interleaved: bool, bias: bool) -> list[WeightConverter]:
     """Per-expert ``gate_proj`` / ``up_proj`` / ``down_proj`` maps, written ``(out, in)`` as every other
     linear map, merged into fused experts stored transposed, ``(experts, in, out)``: Llama 4 (``gate_up_proj``
@@ -330,21 +411,39 @@ class ModeloptExportQuantizer(HfQuantizer):
     def __init__(self, quantization_config: ModeloptExportConfig, **kwargs: Any):
         super().__init__(quantization_config, **kwargs)
         self._stored: dict[str, str] = {}  # layers stored quantized in the checkpoint -> quant_algo
+        self._covered: set[str] = set()  # per-expert layers kept packed in compressed experts
+        #: compressed experts projection (``<experts>.<proj>``) -> (checkpoint halves, interleaved rows)
+        self._packed_experts: dict[str, tuple[tuple[str, ...], bool]] = {}
 
     def get_load_operations(self) -> dict:
         return {"dequantize": ModeloptDequantize, "deserialize": ModeloptKeepPacked}
 
     def update_weight_conversions(self, weight_conversions: list, model: nn.Module) -> list:
         """The model's conversions, plus the merge of per-expert Llama 4 / GPT-OSS experts (dequantized
-        first)."""
+        first; with ``dequantize=False`` kept packed where the experts were prepared packed)."""
         present = {type(m) for m in model.modules()}
-        for cls, (experts, interleaved, bias) in _FUSED_TRANSPOSED.items():
-            if cls in present:
+        for cls in _FUSED_TRANSPOSED:
+            # before weight loading a fused experts module may already be its compressed class
+            if any(issubclass(p, cls) for p in present):
+                experts, interleaved, bias = _FUSED_TRANSPOSED[cls]
                 weight_conversions = [
                     *weight_conversions,
                     *_fused_experts_conversions(experts, interleaved, bias),
                 ]
-        return super().update_weight_conversions(weight_conversions, model)
+        converters = super().update_weight_conversions(weight_conversions, model)
+        if self.quantization_config.dequantize:
+            return converters
+        out = []
+        for c in converters:
+            ops = getattr(c, "operations", None) or []
+            if len(ops) > 1 and type(ops[0]) is ModeloptDequantize:  # a merge of per-expert weights
+                c = c.copy(
+                    c._original_source_patterns,
+                    c._original_target_patterns,
+                    operations=[ModeloptKeepPackedExperts(self, list(ops))],
+                )
+            out.append(c)
+        return out
 
     def _process_model_before_weight_loading(self, model: nn.Module, **kwargs: Any) -> None:
         unknown = self.quantization_config.algorithms() - set(PACKERS)
@@ -376,7 +475,7 @@ class ModeloptExportQuantizer(HfQuantizer):
             self._stored[stem] = algo or self.quantization_config.quant_algo or "?"
             module = modules.get(stem)
             if type(module) is not nn.Linear:
-                continue  # not a linear layer (a fused experts' projection): dequantized, named after loading
+                continue  # not a linear layer (a fused experts' projection): below
             packer = _packer_for(tensors, allowed if algo is None else {algo})
             if packer is None or algo is None:
                 continue
@@ -385,15 +484,113 @@ class ModeloptExportQuantizer(HfQuantizer):
                 packed_linear(module, algo, packed, self.quantization_config.layer_group_size(stem))
             except ValueError as err:
                 raise ValueError(f"{stem}: cannot keep the checkpoint's weight packed: {err}") from None
+        for name, module in modules.items():
+            wrapper = QUANT_MODULES.wrapper_for(type(module))
+            if wrapper is not None and issubclass(wrapper, QuantExperts):
+                self._prepare_experts(name, module, stored, checkpoint_files)
+
+    def _prepare_experts(
+        self,
+        name: str,
+        module: nn.Module,
+        stored: dict[str, dict[str, torch.Tensor]],
+        checkpoint_files: list[str],
+    ) -> None:
+        """Turn fused experts whose per-expert weights the checkpoint stores packed into compressed experts
+        with ``meta`` placeholders of the merged tensors, for :class:`ModeloptKeepPackedExperts` to fill;
+        projections that cannot be kept packed stay full precision (dequantized on loading)."""
+        n = getattr(module, "num_experts", None)
+        if not isinstance(n, int) or n < 1:
+            return
+        gated = f"{name}.0.gate_proj" in stored
+        layout = {"gate_up_proj" if gated else "up_proj": ("gate_proj", "up_proj") if gated else ("up_proj",)}
+        layout["down_proj"] = ("down_proj",)
+        planned: dict[str, tuple[str, int | None, dict[str, torch.Tensor]]] = {}
+        shared: dict[str, list[str]] = {}  # proj -> the per-tensor scales gate and up must share
+        for proj, halves in layout.items():
+            param = getattr(module, proj, None)
+            plan = self._experts_projection(name, n, halves, stored)
+            if plan is None or not isinstance(param, torch.Tensor) or param.ndim != 3:
+                continue
+            planned[proj] = plan
+            shared[proj] = [
+                f"{name}.{e}.{h}.{t}"
+                for e in range(n)
+                for h in halves[1:]
+                for t in _PACKED
+                if t in stored[f"{name}.{e}.{h}"] and stored[f"{name}.{e}.{h}"][t].ndim == 0
+            ]
+        keys = {k for ks in shared.values() for k in ks}
+        values = _read_tensors(checkpoint_files, keys | {k.replace(".up_proj.", ".gate_proj.") for k in keys})
+        for proj, ks in shared.items():
+            for k in ks:
+                gate = values.get(k.replace(".up_proj.", ".gate_proj."))
+                if gate is None or k not in values or not torch.equal(gate, values[k]):
+                    del planned[proj]  # gate and up quantized with different per-tensor scales
+                    break
+        if not planned:
+            return
+        try:
+            packed_experts(module, planned)
+        except ValueError as err:
+            raise ValueError(f"{name}: cannot keep the checkpoint's experts packed: {err}") from None
+        for proj in planned:
+            self._packed_experts[f"{name}.{proj}"] = (layout[proj], _interleaved(module))
+            self._covered.update(f"{name}.{e}.{h}" for e in range(n) for h in layout[proj])
+
+    def _experts_projection(
+        self, name: str, n: int, halves: tuple[str, ...], stored: dict[str, dict[str, torch.Tensor]]
+    ) -> tuple[str, int | None, dict[str, torch.Tensor]] | None:
+        """``(quant_algo, group_size, meta tensors of all experts merged)`` of one fused projection whose
+        per-expert weights are stored packed in one format, or ``None``."""
+        config = self.quantization_config
+        stems = [f"{name}.{e}.{h}" for e in range(n) for h in halves]
+        if not all(s in stored and "weight_scale" in stored[s] for s in stems):
+            return None
+        if any("pre_quant_scale" in stored[s] for s in stems):
+            return None  # folded into the weight's columns by the dequantized load, per expert
+        algos = {config.layer_algo(s) for s in stems}
+        groups = {config.layer_group_size(s) for s in stems}
+        if len(algos) != 1 or None in algos or len(groups) != 1:
+            return None
+        algo, group = algos.pop(), groups.pop()
+        if _packer_for(stored[stems[0]], {algo}) is None:
+            return None
+        merged: dict[str, torch.Tensor] = {}
+        for t in _PACKED:
+            per_half = [stored[f"{name}.0.{h}"].get(t) for h in halves]
+            if per_half[0] is None:
+                continue
+            for e in range(n):
+                for h, ref in zip(halves, per_half, strict=True):
+                    got = stored[f"{name}.{e}.{h}"].get(t)
+                    if got is None or ref is None or got.shape != ref.shape or got.dtype != ref.dtype:
+                        return None
+            ref = per_half[0]
+            if ref.ndim == 0:
+                shape: tuple[int, ...] = (n,)
+            elif all(p.shape[1:] == ref.shape[1:] for p in per_half):
+                shape = (n, sum(p.shape[0] for p in per_half), *ref.shape[1:])
+            else:
+                return None
+            merged[t] = torch.empty(shape, dtype=ref.dtype, device="meta")
+        return algo, group, merged
 
     def _process_model_after_weight_loading(self, model: nn.Module, **kwargs: Any) -> nn.Module:
         if self.quantization_config.dequantize:
             return model
         int8_gemm = self.quantization_config.int8_gemm
+        for name, module in model.named_modules():
+            if isinstance(module, CompressedExperts):
+                unloaded = [n for n, b in module._packed().items() if b.is_meta]
+                if unloaded:
+                    raise ValueError(
+                        f"{name}: the checkpoint's per-expert tensors did not load into the packed experts "
+                        f"({', '.join(unloaded)} still empty); load with dequantize=True"
+                    )
         layers = compressed_layers(model)
-        kernel = {
-            n: use_int8_gemm(model.get_submodule(n), int8_gemm) for n, a in layers.items() if a in KERNELS
-        }
+        linear = {n for n, m in model.named_modules() if isinstance(m, CompressedLinear)}
+        kernel = {n: use_int8_gemm(model.get_submodule(n), int8_gemm) for n in linear if layers[n] in KERNELS}
         for algo in sorted(set(layers.values())):
             on_kernel = sum(1 for n, a in layers.items() if a == algo and kernel.get(n))
             if on_kernel:
@@ -404,7 +601,7 @@ class ModeloptExportQuantizer(HfQuantizer):
                     algo,
                     KERNELS[algo],
                 )
-            rest = sum(1 for n, a in layers.items() if a == algo and not kernel.get(n))
+            rest = sum(1 for n, a in layers.items() if a == algo and not kernel.get(n) and n in linear)
             if rest:
                 why = ""
                 if algo in KERNELS:
@@ -420,15 +617,24 @@ class ModeloptExportQuantizer(HfQuantizer):
                     algo,
                     why,
                 )
+            experts = sum(1 for n, a in layers.items() if a == algo and n not in linear)
+            if experts:
+                logger.info(
+                    "from_pretrained(dequantize=False): %d fused MoE experts projection(s) in %s keep packed "
+                    "weights and dequantize them on the fly (all experts of a projection per forward, as the "
+                    "dequantized load)",
+                    experts,
+                    algo,
+                )
         by_algo: dict[str, list[str]] = {}
         for name, algo in sorted(self._stored.items()):
-            if name not in layers:
+            if name not in layers and name not in self._covered:
                 by_algo.setdefault(algo, []).append(name)
         for algo, names in sorted(by_algo.items()):
             logger.info(
                 "from_pretrained(dequantize=False): %d %s weight(s) load dequantized to full precision (not "
-                "a plain linear layer of the model: fused MoE experts stay full precision, as mtq.compress "
-                "leaves them fake-quantized): %s",
+                "a plain linear layer of the model, nor fused MoE experts stored packed in one format with "
+                "the gate and up halves sharing their per-tensor scales, without pre_quant_scale): %s",
                 len(names),
                 algo,
                 ", ".join(names[:4]) + (" ..." if len(names) > 4 else ""),

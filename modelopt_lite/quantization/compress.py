@@ -53,6 +53,7 @@ __all__ = [
     "compressed_state",
     "fast_int8_gemm",
     "is_compressed",
+    "packed_experts",
     "packed_linear",
     "require_torchao",
     "restore_compressed",
@@ -514,6 +515,43 @@ def packed_linear(
     module.weight_quantizer.disable()
     module.input_quantizer.disable()
     _convert(module, quant_algo, tensors, dtype, shape, int8_gemm=False, group_size=group_size)
+    return module
+
+
+def packed_experts(
+    module: nn.Module, projections: dict[str, tuple[str, int | None, dict[str, torch.Tensor]]]
+) -> nn.Module:
+    """Turn plain fused MoE experts (a module the quantized experts class wraps, on any device, ``meta``
+    included) into :class:`CompressedExperts` holding, for each projection of ``projections`` (``{proj:
+    (quant_algo, group_size, tensors)}``), the packed tensors of every expert stacked along a leading experts
+    dimension (``weight`` codes, ``weight_scale``, ``weight_scale_2``, each expert packed ``(out, in)``;
+    ``meta`` placeholders that a checkpoint loader fills are fine), in place; returns the module. Its
+    quantizers are disabled: it computes with the packer's dequantization, what a dequantizing load
+    computes. Raises ``ValueError`` when the tensors do not dequantize to the experts' weights."""
+    require_torchao()
+    if not isinstance(module, QuantExperts):
+        wrapper = QUANT_MODULES.wrapper_for(type(module))
+        if wrapper is None or not issubclass(wrapper, QuantExperts):
+            raise ValueError(f"packed_experts: {type(module).__name__} is not a fused experts module")
+        QUANT_MODULES.convert(module)
+    elif isinstance(module, CompressedExperts):
+        raise ValueError(f"packed_experts: {type(module).__name__} is already compressed")
+    for proj, (algo, group, tensors) in projections.items():
+        if proj not in module._projections:
+            raise ValueError(f"packed_experts: {proj!r} is not one of {list(module._projections)}")
+        first = {n: torch.empty(t.shape[1:], dtype=t.dtype, device="meta") for n, t in tensors.items()}
+        shape = get_packer(algo).dequantize(first, group).shape
+        expected = module.expert_weight(proj, 0).shape
+        if shape != expected or any(t.shape[0] != module.num_experts for t in tensors.values()):
+            raise ValueError(
+                f"packed_experts: {proj} {algo} tensors { {n: tuple(t.shape) for n, t in tensors.items()} } "
+                f"are not {module.num_experts} experts of {tuple(expected)} (out, in) weights"
+            )
+    for proj in module._projections:
+        getattr(module, f"{proj}_input_quantizer").disable()
+        for q in getattr(module, f"{proj}_weight_quantizers"):
+            q.disable()
+    _convert_experts(module, projections, getattr(module, module._projections[0]).dtype)
     return module
 
 

@@ -171,26 +171,6 @@ def test_from_pretrained_with_the_config_option(exports):
     assert not compressed_layers(dense)
 
 
-def test_fused_experts_load_dequantized_with_one_info_line(tmp_path, lib_caplog):
-    """Fused MoE experts cannot be kept packed (mtq.compress leaves them fake-quantized too): they load
-    dequantized and one INFO line names them; the other layers stay packed; outputs equal the dense load."""
-    model = quantized("qwen3_moe", "NVFP4_DEFAULT_CFG")
-    export(model, tmp_path)
-    dense = load_hf_checkpoint(tmp_path, dtype=torch.float32)
-    with lib_caplog.at_level(logging.INFO, logger=LOGGER):
-        packed = load_hf_checkpoint(tmp_path, dtype=torch.float32, compress=True)
-    lines = [r.getMessage() for r in lib_caplog.records if "to full precision" in r.getMessage()]
-    assert len(lines) == 1
-    assert "24 NVFP4 weight(s)" in lines[0]  # 2 layers x 4 experts x gate, up, down
-    assert "mlp.experts" in lines[0]
-    assert "fused MoE experts" in lines[0]
-    layers = compressed_layers(packed)
-    assert len(layers) == 8  # q, k, v, o of the two layers
-    assert all("experts" not in n for n in layers)
-    ids = batches(n=1, seed=2)[0]
-    assert torch.equal(_logits(packed, ids), _logits(dense, ids))
-
-
 def test_stored_tensors_that_match_no_format_refused(exports, tmp_path):
     """A checkpoint whose declared format does not match its tensors is refused before loading, naming the
     tensors (never a silent full-precision load)."""

@@ -79,7 +79,27 @@ def require_torchao() -> Any:
         ) from err
 
 
-class CompressedLinear(nn.Module):
+class _KeepsPackedDtypes(nn.Module):
+    """Packed tensors (``_packed()``: buffer name -> tensor) keep their dtypes under ``model.to(bfloat16)`` /
+    ``.half()`` (a cast would change every code and scale); the compute dtype ``_weight_dtype`` follows."""
+
+    _weight_dtype: torch.dtype
+
+    def _packed(self) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def _apply(self, fn, recurse=True):  # type: ignore[override]
+        saved = self._packed()
+        super()._apply(fn, recurse)
+        for name, old in saved.items():
+            new = self._buffers[name]
+            if new.dtype != old.dtype:
+                self._buffers[name] = old.to(device=new.device)
+        self._weight_dtype = fn(torch.empty(0, dtype=self._weight_dtype)).dtype
+        return self
+
+
+class CompressedLinear(_KeepsPackedDtypes):
     """Mixin of a compressed :class:`~modelopt_lite.nn.QuantLinear` (see the module docstring): the packed
     tensors are buffers under the export's names, ``quant_algo`` names the format."""
 
@@ -129,18 +149,6 @@ class CompressedLinear(nn.Module):
             "before mtq.compress"
         )
 
-    def _apply(self, fn, recurse=True):  # type: ignore[override]
-        # the packed tensors keep their dtypes under model.to(bfloat16) / .half() (a cast would change
-        # every code and scale); the weight's compute dtype follows the cast
-        saved = self._packed()
-        super()._apply(fn, recurse)
-        for name, old in saved.items():
-            new = self._buffers[name]
-            if new.dtype != old.dtype:
-                self._buffers[name] = old.to(device=new.device)
-        self._weight_dtype = fn(torch.empty(0, dtype=self._weight_dtype)).dtype
-        return self
-
     # ---- the torchao W8A8 kernel
     uses_kernel: bool = False
 
@@ -171,7 +179,7 @@ def _compressed_class(cls: type[nn.Module]) -> type[nn.Module]:
     return type(f"Compressed{cls.__name__}", (CompressedLinear, cls), attrs)
 
 
-class CompressedExperts(nn.Module):
+class CompressedExperts(_KeepsPackedDtypes):
     """Mixin of a compressed :class:`~modelopt_lite.moe.QuantExperts`: for each compressed projection
     ``<proj>`` (``gate_up_proj`` / ``up_proj``, ``down_proj``) the buffers ``<proj>`` (the codes),
     ``<proj>_weight_scale`` and ``<proj>_weight_scale_2`` hold the packer's tensors of every expert stacked
@@ -238,17 +246,6 @@ class CompressedExperts(nn.Module):
             f"{type(self).__name__}: the experts are compressed; calibrate (mtq.quantize, mtq.calibrate) "
             "before mtq.compress"
         )
-
-    def _apply(self, fn, recurse=True):  # type: ignore[override]
-        # as CompressedLinear: the codes and scales keep their dtypes, the compute dtype follows the cast
-        saved = self._packed()
-        super()._apply(fn, recurse)
-        for name, old in saved.items():
-            new = self._buffers[name]
-            if new.dtype != old.dtype:
-                self._buffers[name] = old.to(device=new.device)
-        self._weight_dtype = fn(torch.empty(0, dtype=self._weight_dtype)).dtype
-        return self
 
 
 def _expert_names(proj: str) -> tuple[str, str, str]:
@@ -362,7 +359,7 @@ def _kernel_fits(module: QuantLinear, algo: str, int8_gemm: bool | None) -> bool
     branch), an input quantizer without rotation or bias (torchao quantizes the activation itself), and
     ``int8_gemm`` (``None``: :func:`fast_int8_gemm` on the weight's device)."""
     iq = module.input_quantizer
-    cls = next(c for c in type(module).__mro__ if not issubclass(c, CompressedLinear))  # the quantized class
+    cls = next(c for c in type(module).__mro__ if not issubclass(c, _KeepsPackedDtypes))  # quantized class
     fits = (
         algo in KERNELS
         and cls.forward is QuantLinear.forward

@@ -30,9 +30,12 @@ def test_freeze_from_the_second_step_and_unfreeze_on_close():
 def test_close_leaves_a_freeze_it_did_not_make():
     gc.freeze()
     outside = gc.get_freeze_count()
+    assert outside > 1000
     policy = GCPolicy()
     policy.close()
-    assert gc.get_freeze_count() == outside
+    # an unfreeze would empty the permanent generation; frozen objects that die meanwhile (another thread's,
+    # e.g. a compile worker's) only lower the count by a few, which is why this is not an equality
+    assert gc.get_freeze_count() > outside * 0.99
 
 
 def test_a_cycle_held_during_training_is_freed_after_close():

@@ -128,7 +128,10 @@ def test_off_switch_and_environment_variable(fused_on, monkeypatch):
     out, calls = _quantize(x, spec, amax)
     assert calls == 0
     assert torch.equal(out, fake_quant_reference(x, spec, amax))
-    fused_mod._state["enabled"] = None  # as at start-up: the environment decides
+    fused_mod._state["enabled"] = None  # as at start-up: the environment decides; unset means off (opt-in)
+    monkeypatch.delenv(fused_mod.ENV_VAR, raising=False)
+    assert not fused_fake_quant_enabled()
+    fused_mod._state["enabled"] = None
     monkeypatch.setenv(fused_mod.ENV_VAR, "0")
     assert not fused_fake_quant_enabled()
     fused_mod._state["enabled"] = None

@@ -20,15 +20,16 @@ _DEFINITION = re.compile(r"^ {0,3}\[[^\]]+\]:\s*<?(\S+?)>?(?:\s|$)")
 _HEADING = re.compile(r"^ {0,3}(#{1,6})\s+(.*?)\s*#*\s*$")
 
 
-def _prose_lines(text: str) -> list[tuple[int, str]]:
-    """(line number, line) outside fenced code blocks, with inline code spans blanked."""
+def _prose_lines(text: str, keep_code: bool = False) -> list[tuple[int, str]]:
+    """(line number, line) outside fenced code blocks, with inline code spans blanked (kept with
+    ``keep_code``: a heading's code is part of its anchor)."""
     lines, fenced = [], False
     for number, line in enumerate(text.splitlines(), 1):
         if _FENCE.match(line):
             fenced = not fenced
             continue
         if not fenced:
-            lines.append((number, _CODE_SPAN.sub("", line)))
+            lines.append((number, line if keep_code else _CODE_SPAN.sub("", line)))
     return lines
 
 
@@ -45,7 +46,7 @@ def anchors(page: Path) -> set[str]:
     """The anchors of a page's headings; a repeated heading gets ``-1``, ``-2``, ... as on GitHub."""
     seen: dict[str, int] = {}
     out = set()
-    for _, line in _prose_lines(page.read_text(encoding="utf-8")):
+    for _, line in _prose_lines(page.read_text(encoding="utf-8"), keep_code=True):
         match = _HEADING.match(line)
         if match:
             base = slug(match.group(2))
@@ -126,6 +127,7 @@ def test_slugs_and_links_follow_github(tmp_path):
     assert slug("Train: QAT and QAD") == "train-qat-and-qad"
     assert slug("Several processes: DDP and FSDP2") == "several-processes-ddp-and-fsdp2"
     assert slug("`mtq.quantize` and *friends*") == "mtqquantize-and-friends"
+    assert "with-mtq-directly" in anchors(REPO / "docs" / "distributed.md")  # code in a heading counts
     assert slug("NVFP4 (E2M1, block 16)") == "nvfp4-e2m1-block-16"
     page = tmp_path / "page.md"
     page.write_text(

@@ -39,7 +39,6 @@ import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +63,7 @@ from .insertion import (
     remove_quantizers,
     snapshot_implementations,
 )
+from .knapsack import solve_assignment
 from .presets import EXTRA_PRESETS, PRESETS, preset_names
 
 __all__ = ["auto_quantize", "get_auto_quantize_config", "solve_assignment"]
@@ -82,7 +82,6 @@ GROUPING_RULES = (
     r"^(.*?)\.(gate_proj|up_proj)$",
     r"^(.*?)\.(\d+\.(w1|w2|w3))$",
 )
-_MAX_CAPACITY = 1 << 18  # integer cost steps of the dynamic program (beyond: costs rounded up)
 
 
 @dataclass
@@ -280,51 +279,6 @@ def _install(unit: _Unit, quantizers: Mapping[str, Any]) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ solver
-def solve_assignment(
-    costs: Sequence[Sequence[float]], scores: Sequence[Sequence[float]], budget: float
-) -> tuple[list[int], bool] | None:
-    """One choice per group minimising the summed score with the summed cost at most ``budget``: a
-    multiple-choice knapsack, solved by dynamic programming over integer costs. Costs are made integers
-    exactly (their common denominator, then their greatest common divisor); when that needs more than 2**18
-    steps they are rounded up to ``budget / 2**18`` (the answer then stays within the budget and is optimal
-    among the assignments whose rounded cost fits). Returns ``(choices, exact)``, or ``None`` when nothing
-    fits."""
-    fractions = [[Fraction(c) for c in row] for row in costs]
-    denominator = math.lcm(*(c.denominator for row in fractions for c in row))
-    ints = [[int(c * denominator) for c in row] for row in fractions]
-    capacity = math.floor(Fraction(budget) * denominator)  # every total cost is a multiple of 1 / denominator
-    if capacity < 0:
-        return None
-    step = math.gcd(capacity, *(c for row in ints for c in row)) or 1
-    exact = capacity // step <= _MAX_CAPACITY
-    if exact:
-        weights, capacity = [[c // step for c in row] for row in ints], capacity // step
-    else:
-        unit = Fraction(capacity, _MAX_CAPACITY)
-        weights = [[math.ceil(c / unit) for c in row] for row in ints]
-        capacity = _MAX_CAPACITY
-    best = np.zeros(capacity + 1)  # best[c]: least score of the groups so far with cost <= c
-    picks = np.zeros((len(weights), capacity + 1), dtype=np.int16)
-    for g, (row, score_row) in enumerate(zip(weights, scores, strict=True)):
-        new = np.full(capacity + 1, np.inf)
-        for j, (w, s) in enumerate(zip(row, score_row, strict=True)):
-            if w > capacity:
-                continue
-            candidate = np.full(capacity + 1, np.inf)
-            candidate[w:] = best[: capacity + 1 - w] + float(s)
-            better = candidate < new
-            new[better] = candidate[better]
-            picks[g, better] = j
-        best = new
-    if not np.isfinite(best[capacity]):
-        return None
-    choice, c = [0] * len(weights), capacity
-    for g in range(len(weights) - 1, -1, -1):
-        choice[g] = int(picks[g, c])
-        c -= weights[g][choice[g]]
-    return choice, exact
-
-
 # ------------------------------------------------------------------------------------------------ scores
 def _zeros(groups: list[_Group]) -> np.ndarray:
     return np.zeros((len(groups), max(len(g.formats) for g in groups)))

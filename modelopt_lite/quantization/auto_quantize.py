@@ -174,6 +174,21 @@ def _resolve_formats(quantization_formats: Any) -> list[_Format]:
     return [*sorted(formats.values(), key=lambda f: f.bits), _Format(NONE, None, 16.0)]
 
 
+def _check_sharded_formats(formats: list[_Format]) -> None:
+    """On an FSDP2-sharded model only ``max`` calibration runs (the others need whole weights)."""
+    whole = [
+        f"{f.name} ({f.config.algorithm_name})"
+        for f in formats
+        if f.config is not None and f.config.algorithm_name not in ("max", None)
+    ]
+    if whole:
+        raise UnsupportedFeatureError(
+            f"auto_quantize on an FSDP2-sharded model calibrates with 'max' only, and format(s) "
+            f"{', '.join(whole)} need whole weights: search before fully_shard (every rank with the whole "
+            "model and its share of the batches), or give formats calibrated with 'max'"
+        )
+
+
 # ------------------------------------------------------------------------------------------------ groups
 def _units(model: nn.Module) -> list[_Unit]:
     units = []
@@ -513,7 +528,7 @@ def auto_quantize(
 
     Under ``torch.distributed`` call it on every rank before ``fully_shard``, each rank with its share of
     the batches: calibration merges across ranks and the scores are summed over them, so every rank picks
-    the same formats (an FSDP2-sharded model is refused).
+    the same formats. On an FSDP2-sharded model the same holds (formats calibrated with ``max`` only).
 
     The search state holds, per group (``candidate_stats``), its formats, scores, costs (``numel * bits /
     16``) and the config entries of each format, and the choice (``best``); it is plain JSON data.
@@ -525,12 +540,6 @@ def auto_quantize(
     ):
         if value is not None:
             raise UnsupportedFeatureError(f"auto_quantize({name}=...) is not supported; leave it None")
-    if is_distributed() and is_sharded(model):
-        raise UnsupportedFeatureError(
-            "auto_quantize on an FSDP2-sharded model is not supported: run it before fully_shard (every rank "
-            "holds the whole model during the search and scores its own data; the scores are summed over the "
-            "ranks, so every rank picks the same formats), then shard the quantized model"
-        )
     effective_bits = _check_inputs(
         data_loader,
         forward_step,
@@ -540,6 +549,8 @@ def auto_quantize(
         constraints or {"effective_bits": 4.8},
     )
     formats = _resolve_formats(quantization_formats or ["NVFP4_DEFAULT_CFG", "FP8_DEFAULT_CFG"])
+    if is_distributed() and is_sharded(model):
+        _check_sharded_formats(formats)
     patterns = [disabled_layers] if isinstance(disabled_layers, str) else list(disabled_layers or [])
     if model_quant.quant_state(model) is not None or any(isinstance(m, QuantModule) for m in model.modules()):
         raise ValueError("auto_quantize needs an unquantized model (this one already has quantizers)")

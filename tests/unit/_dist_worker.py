@@ -273,18 +273,32 @@ def auto_quantize_search(model, method: str, data) -> dict:
 
 
 def auto_quantize_ranks(kind: str, out: Path, rank: int) -> None:
-    """The search on every rank, each on its half of the data (model replicated, as before fully_shard);
-    then the refusal on a sharded model."""
+    """The search on every rank, each on its half of the data: the model replicated (as before
+    fully_shard) and FSDP2-sharded (then a forward of the searched model); a format calibrated with a
+    search algorithm is refused on the sharded model."""
     states = {
         m: auto_quantize_search(MODELS[kind](), m, aq_batches()[rank::2]) for m in ("gradient", "kl_div")
     }
+    for method in ("gradient", "kl_div"):
+        sharded = MODELS[kind]()
+        shard(sharded)
+        states[f"sharded {method}"] = auto_quantize_search(sharded, method, aq_batches()[rank::2])
+        logits = sharded(input_ids=aq_batches()[0]["input_ids"]).logits.detach()
+        save_file({"logits": logits.contiguous()}, str(out / f"aq_logits_{method}_{rank}.safetensors"))
     sharded = MODELS[kind]()
     shard(sharded)
-    try:
-        auto_quantize_search(sharded, "kl_div", aq_batches()[rank::2])
-        states["sharded"] = "ok"
-    except NotImplementedError as err:
-        states["sharded"] = f"{type(err).__name__}: {err}"
+    mse = {**mtq.FP8_DEFAULT_CFG, "algorithm": "mse"}
+    states["sharded mse"] = _outcome(
+        lambda: mtq.auto_quantize(
+            sharded,
+            {"effective_bits": 6.0},
+            ["NVFP4_DEFAULT_CFG", mse],
+            aq_batches()[rank::2],
+            lambda m, b: m(input_ids=b["input_ids"]).logits,
+            method="kl_div",
+        )
+    )
+    states["sharded mse left quantizers"] = any("quantizer" in n for n, _ in sharded.named_modules())
     (out / f"auto_quantize_{rank}.json").write_text(json.dumps(states))
 
 

@@ -78,21 +78,33 @@ def test_fold_through_the_window_equals_folding_the_unsharded_model(tmp_path, ki
 
 
 def test_auto_quantize_on_two_ranks_sums_the_scores_and_equals_one_process_on_all_the_data(tmp_path):
-    # each rank scores its half of the batches; summed over the ranks the scores are one process's on all
-    # the batches (calibration: max over the ranks), and every rank picks the same formats
+    # each rank scores its half of the batches, on the replicated model (before fully_shard) and on the
+    # FSDP2-sharded one; summed over the ranks the scores are one process's on all the batches
+    # (calibration: max over the ranks), and every rank picks the same formats
     _torchrun("auto_quantize", "llama", tmp_path)
     ranks = [json.loads((tmp_path / f"auto_quantize_{r}.json").read_text()) for r in (0, 1)]
     for method in ("gradient", "kl_div"):
-        expected = auto_quantize_search(MODELS["llama"](), method, aq_batches())
-        for got in (r[method] for r in ranks):
+        model = MODELS["llama"]()
+        expected = auto_quantize_search(model, method, aq_batches())
+        for got in (r[key] for r in ranks for key in (method, f"sharded {method}")):
             assert got["best"]["recipe"] == expected["best"]["recipe"]
             assert got["candidate_stats"].keys() == expected["candidate_stats"].keys()
             for name, stat in expected["candidate_stats"].items():
                 assert got["candidate_stats"][name]["scores"] == pytest.approx(stat["scores"], rel=1e-4), name
         assert ranks[0][method] == ranks[1][method]
+        assert ranks[0][f"sharded {method}"] == ranks[1][f"sharded {method}"]
         assert any(s > 0 for stat in expected["candidate_stats"].values() for s in stat["scores"])
+        # the sharded model, searched, computes what the searched whole model computes
+        logits = model(input_ids=aq_batches()[0]["input_ids"]).logits.detach()
+        for r in (0, 1):
+            got = load_file(str(tmp_path / f"aq_logits_{method}_{r}.safetensors"))["logits"]
+            torch.testing.assert_close(got, logits, rtol=1e-5, atol=1e-6)
     for r in ranks:
-        assert r["sharded"].startswith("UnsupportedFeatureError: auto_quantize on an FSDP2-sharded model")
+        assert r["sharded mse"].startswith(
+            "UnsupportedFeatureError: auto_quantize on an FSDP2-sharded model"
+        ), r
+        assert "CUSTOM_1 (mse) need whole weights" in r["sharded mse"], r
+        assert not r["sharded mse left quantizers"]
 
 
 def test_bad_input_fails_on_every_rank_without_hanging(tmp_path):

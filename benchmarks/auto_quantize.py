@@ -68,6 +68,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=1, help="searches per method (and reference); median time")
     p.add_argument("--json", default=None, help="write the rows here")
+    p.add_argument(
+        "--top-k",
+        type=int,
+        default=0,
+        help="also evaluate the K lowest-score assignments at 6.0 bits (narrowest / widest format per group)",
+    )
+    p.add_argument(
+        "--bounds",
+        action="store_true",
+        help="also the largest group in each format, every other group unquantized / in the widest format",
+    )
     p.add_argument("--quick", action="store_true", help="a smoke run: 4 windows everywhere, budgets 4.5,6,8")
     args = p.parse_args(argv)
     if args.quick:
@@ -144,6 +155,61 @@ def reference_rows(args: argparse.Namespace, method: str, data: dict[str, Any], 
     return out
 
 
+def _bits(state: dict[str, Any], recipe: dict[str, str]) -> float:
+    stats = state["candidate_stats"]
+    cost = sum(stats[n]["costs"][stats[n]["formats"].index(f)] for n, f in recipe.items())
+    return cost / state["cost_denominator"] * 16
+
+
+def top_k_rows(state: dict[str, Any], k: int, bits: float, measure: Any) -> list[dict[str, Any]]:
+    """The ``k`` assignments with the lowest summed score within ``bits``, each group in its narrowest or
+    widest quantized format (enumerated: at most 20 groups), each quantized and evaluated: how much a
+    better score could still gain over the searched assignment (rank 0)."""
+    import itertools
+
+    stats = state["candidate_stats"]
+    names = list(stats)
+    if len(names) > 20:
+        raise SystemExit(f"--top-k enumerates 2**groups assignments; {len(names)} groups is too many")
+    budget = state["cost_denominator"] * bits / 16
+    options = [(0, len(stats[n]["formats"]) - 2) for n in names]  # narrowest, widest quantized
+    feasible = []
+    for choice in itertools.product(*options):
+        cost = sum(stats[n]["costs"][j] for n, j in zip(names, choice, strict=True))
+        if cost <= budget + 1e-6:
+            feasible.append((sum(stats[n]["scores"][j] for n, j in zip(names, choice, strict=True)), choice))
+    rows = []
+    for rank, (score, choice) in enumerate(sorted(feasible)[:k]):
+        recipe = {n: stats[n]["formats"][j] for n, j in zip(names, choice, strict=True)}
+        row = {"row": f"top-{rank}", "score": score, "bits": round(_bits(state, recipe), 3)}
+        rows.append({**row, **measure(mtq_config(state, recipe))})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def bound_rows(state: dict[str, Any], measure: Any) -> list[dict[str, Any]]:
+    """The largest group in each of its formats, every other group unquantized, then in the widest
+    quantized format: what that group's format alone costs, whatever the budget."""
+    stats = state["candidate_stats"]
+    big = max(stats, key=lambda n: stats[n]["costs"][-1])
+    rows = []
+    for fmt in stats[big]["formats"][:-1]:
+        for rest in (-1, -2):
+            recipe = {n: fmt if n == big else stats[n]["formats"][rest] for n in stats}
+            label = f"bound {big.removesuffix('.quant_recipe')} {fmt}, rest {stats[big]['formats'][rest]}"
+            rows.append(
+                {"row": label, "bits": round(_bits(state, recipe), 3), **measure(mtq_config(state, recipe))}
+            )
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def mtq_config(state: dict[str, Any], recipe: dict[str, str]) -> dict[str, Any]:
+    import modelopt_lite.quantization as mtq
+
+    return mtq.get_auto_quantize_config({**state, "best": {"recipe": recipe}})
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     accuracy.setup(args.threads)
@@ -215,6 +281,10 @@ def main(argv: list[str] | None = None) -> int:
             rows += reference_rows(args, method, {**shared, "score_steps": score_steps}, budgets)
     else:
         print(f"nvidia-modelopt skipped ({h.no_reference_python()})", flush=True)
+    if args.top_k:
+        rows += top_k_rows(any_state, args.top_k, 6.0, measure)
+    if args.bounds:
+        rows += bound_rows(any_state, measure)
     for preset in args.formats:  # the presets themselves (lm_head excluded), for reference
         rows.append({"row": f"preset {preset}", **measure(mtq.get_preset(preset))})
     _summarize(rows, args.formats)

@@ -51,7 +51,10 @@ def nvfp4_block_scales(block_amax: torch.Tensor, s2: torch.Tensor) -> torch.Tens
 
 
 def nvfp4_fake_quant(
-    x: torch.Tensor, global_amax: torch.Tensor | None = None, block_size: int = NVFP4_BLOCK
+    x: torch.Tensor,
+    global_amax: torch.Tensor | None = None,
+    block_size: int = NVFP4_BLOCK,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """NVFP4 fake quantization of ``x`` along its last axis.
 
@@ -59,17 +62,29 @@ def nvfp4_fake_quant(
     tensors quantized at once (the experts of a ``(experts, out, in)`` weight) takes one global amax per
     tensor, shaped to broadcast against ``x`` with size 1 in the last axis (``(experts, 1, 1)``): each
     tensor's result is the one it gets alone, bit for bit.
+
+    ``out``: a contiguous float32 tensor shaped like ``x`` (whose last axis must then be a multiple of the
+    block) that receives the float32 result, so that a caller can reuse one buffer from call to call instead
+    of the allocator handing out (and the kernel faulting in) fresh memory each time; the return value is a
+    view of it when ``x`` is float32. The arithmetic is the same either way.
     """
     if block_size <= 0:
         raise ValueError(f"block_sizes[-1]={block_size} must be a positive block length (NVFP4: 16)")
     layout = BlockLayout.build(x.shape, {-1: block_size})
     blocks = layout.split(x)
+    if out is not None:
+        if out.shape != x.shape or not out.is_contiguous() or x.shape[-1] % layout.sizes[0]:
+            raise ValueError(
+                f"out must be a contiguous tensor of the input's shape {tuple(x.shape)} whose last axis "
+                f"is a multiple of the block ({layout.sizes[0]}); got shape {tuple(out.shape)}"
+            )
+        out = out.view(blocks.shape)
     if global_amax is None:
         global_amax = blocks.abs().amax()
     global_amax = global_amax.to(device=x.device, dtype=torch.float32)
     tiny = global_amax <= TINY_AMAX
     if bool(tiny.all()):
-        return torch.zeros_like(x)
+        return torch.zeros_like(x) if out is None else layout.merge(out.zero_()).to(x.dtype)
     s2, zero = nvfp4_global_scale(global_amax), None
     if global_amax.numel() > 1:  # a batch: one scale per block, in the blocks' (row-major) order
         if global_amax.ndim > x.ndim or global_amax.shape[-1:] != (1,):
@@ -94,7 +109,7 @@ def nvfp4_fake_quant(
         step = nvfp4_block_scales(block_amax, s2).mul_(s2)  # dequantized scale
         return e2m1_round(mag.div_(step), out=mag).copysign_(rows).mul_(step)
 
-    out = map_rows(quantize_rows, blocks, s2)
+    out = map_rows(quantize_rows, blocks, s2, out=out)
     if zero is not None:
         out.masked_fill_(zero, 0.0)
     return layout.merge(out).to(x.dtype)

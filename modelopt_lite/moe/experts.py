@@ -13,7 +13,8 @@ The model keeps transformers' names, so ``model.set_experts_implementation("eage
 a quantized model like any other. Inserting quantizers moves a backend that would not run the quantizers
 (``batched_mm``, kernels from the hub) to ``grouped_mm`` with a WARNING; switching to one afterwards makes
 the next experts forward raise. While weight quantizers only collect statistics, the stored weights are used
-as they are (no weight-sized copy).
+as they are (no weight-sized copy). While training on the CPU in float32, the NVFP4 fake quant of each 3-D
+weight writes into a buffer kept from step to step (see :meth:`QuantExperts.weight_buffer`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.integrations.moe import grouped_mm_experts_forward
 
-from ..formats import fake_quant
+from ..formats import fake_quant, nvfp4_fake_quant
+from ..formats.fused import fused_fake_quant_enabled
 from ..nn import QUANT_MODULES, QuantModule, TensorQuantizer
 from ..nn.quant_module import Quantizer
 
@@ -73,12 +75,45 @@ class _QuantizedView:
         return getattr(self._module, name)
 
 
-def _batched_fake_quant(quantizers: nn.ModuleList, weight: torch.Tensor) -> torch.Tensor | None:
+def _storage_refs(t: torch.Tensor) -> int | None:
+    """References to ``t``'s storage (tensors and views sharing it, autograd's saved copies included);
+    ``None`` where this PyTorch has no way to tell."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    return None if use_count is None else int(use_count(t.untyped_storage()._cdata))
+
+
+class _NVFP4IntoBuffer(torch.autograd.Function):
+    """``nvfp4_fake_quant(x, amax, block, out=out)`` with the straight-through backward of
+    :func:`~modelopt_lite.formats.fake_quant` (identity, or zero where ``|x| > amax`` when clipped). Saves
+    nothing unless clipped."""
+
+    @staticmethod
+    def forward(ctx, x, amax, block, clip, out):  # type: ignore[override]
+        ctx.clip = clip
+        if clip:
+            ctx.save_for_backward(x, amax)
+        return nvfp4_fake_quant(x, amax, block, out=out)
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        if not ctx.clip:
+            return grad_out, None, None, None, None
+        x, amax = ctx.saved_tensors
+        return grad_out * (x.abs() <= amax.to(x.dtype)), None, None, None, None
+
+
+def _batched_fake_quant(
+    quantizers: nn.ModuleList,
+    weight: torch.Tensor,
+    buffer: Callable[[], torch.Tensor | None] | None = None,
+) -> torch.Tensor | None:
     """All experts of ``weight`` ``(experts, out, in)`` fake-quantized in one call, bit for bit what each
     expert's quantizer gives it alone; ``None`` unless every quantizer only fake-quantizes (no calibration,
     smoothing, rotation, bias or learned amax) with the same attributes, one calibrated amax per expert and
     a format whose math takes that amax as a per-expert broadcast (NVFP4 with its global amax, per-tensor
-    INT / FP8). One autograd node then carries the whole weight: no per-expert slices, stack or unbind."""
+    INT / FP8). One autograd node then carries the whole weight: no per-expert slices, stack or unbind.
+    ``buffer``: gives a float32 tensor shaped like ``weight`` (or ``None``) for NVFP4 on the CPU (the fused
+    path off, a last axis that splits into whole blocks) to write its result into."""
     first = quantizers[0]
     if not isinstance(first, TensorQuantizer):
         return None
@@ -99,8 +134,18 @@ def _batched_fake_quant(quantizers: nn.ModuleList, weight: torch.Tensor) -> torc
         if q.pre_quant_scale is not None or attrs.bias is not None or q.global_amax is not None:
             return None
         amaxes.append(amax.reshape(()))
+    amax, clip = torch.stack(amaxes).view(-1, 1, 1), attrs.backward == "clipped"
     try:
-        return fake_quant(weight, spec, torch.stack(amaxes).view(-1, 1, 1), attrs.backward == "clipped")
+        block = spec.block_axes[0][1] if nvfp4 else None
+        out = None
+        # the opt-in fused CPU path takes NVFP4 with a single global amax only (one expert): it keeps that
+        if block and buffer is not None and weight.device.type == "cpu" and weight.shape[-1] % block == 0:
+            out = None if fused_fake_quant_enabled() and amax.numel() == 1 else buffer()
+        if out is not None:
+            if torch.is_grad_enabled() and weight.requires_grad:
+                return _NVFP4IntoBuffer.apply(weight, amax, block, clip, out)
+            return nvfp4_fake_quant(weight, amax, block, out=out)
+        return fake_quant(weight, spec, amax, clip)
     except ValueError as err:
         raise ValueError(f"{first.name} (and the other experts' weight quantizers): {err}") from None
 
@@ -114,6 +159,9 @@ class QuantExperts(QuantModule):
     #: Use the stored weights as they are when no weight quantizer would change them (calibration). Only
     #: ``benchmarks/moe.py`` turns this off, to measure the stacked copy it saves.
     weight_pass_through: bool = True
+    #: Keep each projection's fake-quantized weight buffer from step to step (see :meth:`weight_buffer`).
+    #: Only ``benchmarks/moe.py`` turns this off, to measure what it saves.
+    reuse_weight_buffers: bool = True
     has_gate: bool
     has_bias: bool
     is_transposed: bool
@@ -148,7 +196,8 @@ class QuantExperts(QuantModule):
         if self.weight_pass_through and not any(q.is_enabled and q._quant_enabled for q in quantizers):
             return getattr(self, proj)
         weight = getattr(self, proj)
-        batched = _batched_fake_quant(quantizers, weight.transpose(1, 2) if self.is_transposed else weight)
+        oi = weight.transpose(1, 2) if self.is_transposed else weight
+        batched = _batched_fake_quant(quantizers, oi, lambda: self.weight_buffer(proj, oi))
         if batched is not None:
             return batched.transpose(1, 2) if self.is_transposed else batched
         # one unbind for all experts: indexing expert by expert would make autograd add a zero gradient of
@@ -157,6 +206,41 @@ class QuantExperts(QuantModule):
         if self.is_transposed:
             return torch.stack([q(w.t()).t() for q, w in zip(quantizers, experts, strict=True)])
         return torch.stack([q(w) for q, w in zip(quantizers, experts, strict=True)])
+
+    def weight_buffer(self, proj: str, weight: torch.Tensor) -> torch.Tensor | None:
+        """The float32 buffer that ``proj``'s fake-quantized ``(experts, out, in)`` weight is written into,
+        kept on the module from one training step to the next; ``None`` (a fresh tensor each call) unless the
+        module is training with grad enabled, on the CPU, in float32.
+
+        A fresh weight-sized output each step is handed out by the allocator as new memory (glibc maps
+        blocks above 32 MiB afresh and unmaps them on free) and page-faulted in while being written: on
+        the CPU about as long as the fake quant itself. Kept, it is written in place. The buffer is reused
+        only when nothing else references its memory any more (the previous step's graph was freed: its
+        backward ran, or it was dropped); otherwise a new one replaces it. Memory: in training every
+        layer's fake-quantized weight stays alive until the backward anyway; keeping it between steps
+        holds that memory (the experts' float32 weights once more) across the optimizer step too. It is
+        released by a forward outside training (``eval()`` or ``no_grad``), ``fold_weight`` and removal
+        of the quantizers."""
+        cache: dict[str, tuple[torch.Tensor, int]] = self.__dict__.setdefault("_weight_buffers", {})
+        if not (
+            self.reuse_weight_buffers and self.training and torch.is_grad_enabled()
+            and weight.device.type == "cpu" and weight.dtype == torch.float32
+            and type(weight) in (torch.Tensor, nn.Parameter)  # no tensor subclass (DTensor, ...)
+        ):  # fmt: skip
+            cache.pop(proj, None)
+            return None
+        held = cache.get(proj)
+        if held is not None:
+            buf, refs = held
+            if buf.shape == weight.shape and buf.device == weight.device and _storage_refs(buf) == refs:
+                return buf
+        buf = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
+        refs = _storage_refs(buf)
+        if refs is None:
+            cache.pop(proj, None)
+            return None
+        cache[proj] = (buf, refs)
+        return buf
 
     @torch.no_grad()
     def fold_weight(self) -> None:
@@ -174,7 +258,7 @@ class QuantExperts(QuantModule):
 
     def _teardown(self) -> None:
         super()._teardown()
-        for name in ("_projections", "tokens_per_expert", "forward_calls"):
+        for name in ("_projections", "tokens_per_expert", "forward_calls", "_weight_buffers"):
             self.__dict__.pop(name, None)
 
     # ----------------------------------------------------------------------- coverage

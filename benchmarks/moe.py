@@ -6,11 +6,16 @@ Model: ``Qwen3MoeForCausalLM`` from a config (hidden 512, intermediate 1024, moe
 layers, 8 heads / 4 KV heads, head_dim 64, 64 experts, top-8, vocab 4096), fp32, ``torch.manual_seed(0)``.
 Inputs: random ``input_ids`` 4x128 from a fixed generator. Config: ``NVFP4_DEFAULT_CFG``.
 
-1. QAT step time. Per experts path, in a fresh process: quantize (calibrating on 2 batches), ``train()``,
-   AdamW(lr 1e-5), then time ``loss = model(ids, labels=ids).loss; loss.backward(); opt.step();
-   opt.zero_grad()`` for one warm-up step and ``--repeats`` steps. Paths: ours on ``grouped_mm``, the same
-   model forced to ``eager`` (the reference library's only working path), and -- to show the cost of fake
-   quant -- the unquantized model on transformers' own ``grouped_mm``.
+1. QAT step time. Per experts path: quantize (calibrating on 2 batches), ``train()``, AdamW(lr 1e-5), then
+   time ``loss = model(ids, labels=ids).loss; loss.backward(); opt.step(); opt.zero_grad()`` for one
+   warm-up step and ``--repeats`` steps. Paths: ours on ``grouped_mm``; the same with
+   ``QuantExperts.reuse_weight_buffers = False`` (a fresh fake-quantized expert weight each step instead of
+   the buffer kept from step to step); -- to show the cost of fake quant -- the unquantized model on
+   transformers' own ``grouped_mm``; these three in one process, their steps interleaved (the order
+   rotating from step to step), so that the ratios compare steps taken under the same load. And, in a
+   fresh process of its own (about 10x slower), the quantized model forced to ``eager`` (the reference
+   library's only working path). Wall-clock seconds per step, and this process's CPU seconds (user +
+   system, which other processes on a shared machine disturb less).
 2. Calibration memory. In fresh processes (grouped_mm): build the model, run one plain unquantized forward
    of a 4x128 batch under ``no_grad`` (so one-time allocations and activation-sized buffers exist before
    the baseline), then reset the peak-RSS mark by writing ``5`` to ``/proc/self/clear_refs`` and take the
@@ -43,15 +48,19 @@ import json
 import os
 import statistics
 import sys
+import time
 
 import _harness as h
 
 BATCH, SEQ, VOCAB, CALIB_STEP, CALIB_MEM = 4, 128, 4096, 2, 8
-STEP_PATHS = ["baseline", "grouped_mm", "eager"]  # baseline: unquantized, transformers' grouped_mm
+STEP_PATHS = ["baseline", "grouped_mm", "grouped_mm_fresh", "eager"]  # baseline: unquantized, transformers'
+INTERLEAVED = STEP_PATHS[:3]  # measured in one process, their steps interleaved
+STEP_CHILDREN = {"interleaved": INTERLEAVED, "eager": ["eager"]}
 MEM_MODES = ["plain", "pass", "nopass"]
 LABELS = {
     "baseline": "unquantized, transformers grouped_mm", "grouped_mm": "NVFP4, ours grouped_mm",
-    "eager": "NVFP4, forced eager", "plain": "plain forward (no quantize)",
+    "grouped_mm_fresh": "NVFP4, ours grouped_mm, no weight buffer reuse", "eager": "NVFP4, forced eager",
+    "plain": "plain forward (no quantize)",
     "pass": "calibration, pass-through (default)", "nopass": "calibration, no pass-through",
 }  # fmt: skip
 
@@ -74,31 +83,43 @@ def _build(num_batches: int):
     return model, [torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen) for _ in range(num_batches)]
 
 
-def _child_step(path: str, repeats: int) -> dict:
+def _child_step(child: str, repeats: int) -> dict:
     import torch
 
-    model, batches = _build(CALIB_STEP)
-    if path == "baseline":
-        model.set_experts_implementation("grouped_mm")
-    else:
-        import modelopt_lite.quantization as mtq
+    import modelopt_lite.quantization as mtq
+    from modelopt_lite.moe import QuantExperts
 
-        mtq.quantize(model, mtq.get_preset("NVFP4_DEFAULT_CFG"), batches, path)  # runs under no_grad
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    ids, times, loads = batches[0], [], []
+    paths, runs = STEP_CHILDREN[child], {}
+    for path in paths:
+        model, batches = _build(CALIB_STEP)
+        if path == "baseline":
+            model.set_experts_implementation("grouped_mm")
+        else:
+            impl = "eager" if path == "eager" else "grouped_mm"
+            mtq.quantize(model, mtq.get_preset("NVFP4_DEFAULT_CFG"), batches, impl)  # runs under no_grad
+            for m in model.modules():
+                if isinstance(m, QuantExperts):
+                    m.reuse_weight_buffers = path != "grouped_mm_fresh"
+        model.train()
+        runs[path] = (model, torch.optim.AdamW(model.parameters(), lr=1e-5))
+    ids, loads = batches[0], []
+    out = {p: {"times": [], "cpu_s": []} for p in paths}
     for i in range(repeats + 1):
-        start = h.CpuMark.now()
-        loss = model(ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        seconds, others = start.since()
-        if i:  # step 0 is the warm-up
-            times.append(seconds)
-            loads.append(others)
-    impl = model.config._experts_implementation
-    return {"times": times, "other_cores_busy": statistics.median(loads), "impl": impl, "loss": loss.item()}
+        for path in paths[i % len(paths) :] + paths[: i % len(paths)]:  # who goes first rotates
+            model, opt = runs[path]
+            start = h.CpuMark.now()
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            seconds, others = start.since()
+            cpu = time.process_time() - start.own
+            if i:  # step 0 is the warm-up
+                out[path]["times"].append(seconds)
+                out[path]["cpu_s"].append(cpu)
+                loads.append(others)
+            out[path].update(impl=model.config._experts_implementation, loss=loss.item())
+    return {"paths": out, "other_cores_busy": statistics.median(loads)}
 
 
 def _child_mem(mode: str) -> dict:
@@ -187,19 +208,24 @@ def main() -> None:
     mem_repeats = 1 if args.quick else args.mem_repeats
     print(
         "Qwen3-MoE (hidden 512, moe_intermediate 256, 64 experts, top-8, 2 layers), fp32, NVFP4_DEFAULT_CFG, "
-        f"batch {BATCH}x{SEQ}; threads {args.threads}; {repeats} timed QAT steps after 1 warm-up; "
-        "each measurement in a fresh process", flush=True,
+        f"batch {BATCH}x{SEQ}; threads {args.threads}; {repeats} timed QAT steps after 1 warm-up; the "
+        "grouped_mm paths and the unquantized one interleaved in one process; eager and each memory run in a "
+        "fresh process", flush=True,
     )  # fmt: skip
     steps: dict[str, dict] = {}
     load_args = (args.max_other_load, args.retries, args.max_wait)
-    for path in STEP_PATHS:
-        res = steps[path] = _run_child("step", path, args.threads, repeats, *load_args)
-        if "error" in res:
-            print(f"  step {path}: failed: {res['error']}", flush=True)
-            continue
-        res.update(h.time_stats(res["times"]))
-        times = ", ".join(f"{t:.3f}" for t in res["times"])
-        print(f"  step {path}: {times} s ({res['impl']}; others {res['other_cores_busy']:.2f})", flush=True)
+    for child, paths in STEP_CHILDREN.items():
+        res = _run_child("step", child, args.threads, repeats, *load_args)
+        for path in paths:
+            if "error" in res:
+                steps[path] = res
+                print(f"  step {path}: failed: {res['error']}", flush=True)
+                continue
+            one = steps[path] = {**res["paths"][path], "loaded": res["loaded"]}
+            one.update(h.time_stats(one["times"]), cpu_median_s=statistics.median(one["cpu_s"]))
+            times = ", ".join(f"{t:.3f}" for t in one["times"])
+            busy = res["other_cores_busy"]
+            print(f"  step {path}: {times} s ({one['impl']}; {child}, others {busy:.2f})", flush=True)
     mem: dict[str, dict] = {}
     mem_env = {"MALLOC_MMAP_THRESHOLD_": str(args.mmap_threshold)} if args.mmap_threshold else {}
     for mode in MEM_MODES:  # peak memory does not depend on load: no retries
@@ -216,16 +242,26 @@ def main() -> None:
             mem[mode]["increase_mb"] = statistics.median(r["increase_mb"] for r in mem[mode]["runs"])
 
     print("\n### QAT step time (forward + backward + AdamW step), seconds per step\n")
-    print("| path | experts implementation | median s | min s | vs unquantized (median) |")
-    print("|---|---|---|---|---|")
-    base = steps["baseline"].get("median_s")
+    cols = "median s | min s | vs unquantized (median / min) | CPU s, vs unquantized"
+    print(f"| path | experts implementation | {cols} |")
+    print("|---|---|---|---|---|---|")
+    base = steps["baseline"]
     for path, res in steps.items():
         if "error" in res:
-            print(f"| {LABELS[path]} | n/a | n/a (reason: {res['error']}) | | |")
+            print(f"| {LABELS[path]} | n/a | n/a (reason: {res['error']}) | | | |")
             continue
-        vs = f"{res['median_s'] / base:.2f}x" if base else "n/a"
+        vs = cpu_vs = "n/a"
+        if "error" not in base:
+            vs = f"{res['median_s'] / base['median_s']:.2f}x / {res['min_s'] / base['min_s']:.2f}x"
+            cpu_vs = f"{res['cpu_median_s'] / base['cpu_median_s']:.2f}x"
         med = f"{res['median_s']:.3f}" + (" (loaded)" if res["loaded"] else "")
-        print(f"| {LABELS[path]} | `{res['impl']}` | {med} | {res['min_s']:.3f} | {vs} |")
+        cpu = f"{res['cpu_median_s']:.3f}, {cpu_vs}"
+        print(f"| {LABELS[path]} | `{res['impl']}` | {med} | {res['min_s']:.3f} | {vs} | {cpu} |")
+    print(f"\n(the first {len(INTERLEAVED)} rows: one process, steps interleaved; eager: its own process)")
+    if "error" not in base and "error" not in steps["grouped_mm"]:
+        r = steps["grouped_mm"]["median_s"] / base["median_s"]
+        verdict = "met" if r <= 1.3 else "NOT met"
+        print(f"quantized grouped_mm step / unquantized: {r:.2f}x from medians (target <= 1.3x: {verdict})")
     g, e = steps["grouped_mm"], steps["eager"]
     speedup = None
     if "error" not in g and "error" not in e:

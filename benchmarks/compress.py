@@ -11,10 +11,12 @@ layers. Calibration uses random token ids / activations.
   and scales) against the same weights in bf16, and the whole compressed model (its other layers cast to
   bf16; parameters and buffers, quantizer amax included) against the whole model in bf16.
 * Speed (``--threads``, default 2 threads): forward time of the W8A8 (INT8_SMOOTHQUANT_CFG) compressed model,
-  on torchao's int8 GEMM (``int8_gemm=True``) and dequantizing on the fly (``int8_gemm=False``), against the
-  fp32 and bf16 models and the fake-quant W8A8 model, at each ``--tokens`` count (one batch of
-  ``tokens / 64`` sequences of 64), as median and min of ``--repeats`` runs after a warm-up. Timings on a
-  shared machine are noisy: compare the minimums.
+  on torchao's int8 GEMM (``int8_gemm=True``; also cast to bf16, its unquantized layers then in bf16) and
+  dequantizing on the fly (``int8_gemm=False``), against the fp32 and bf16 models and the fake-quant W8A8
+  model, at each ``--tokens`` count (one batch of ``tokens / 64`` sequences of 64), as median and min of
+  ``--repeats`` rounds after two warm-up calls; the models are interleaved (one call of each per round), and
+  the speed-ups are ratios within the run. Timings on a shared machine are noisy: pin the threads
+  (``taskset``) and compare the ratios.
 * Loading an export (``--sections load``): an NVFP4 export of a Llama built in code whose linear weights
   dominate (``--load-hidden``, ``--load-layers``; vocabulary 1024), loaded with ``load_hf_checkpoint`` in bf16
   dequantized and compressed (``compress=True``), each in a fresh process (``--load-repeats`` of each,
@@ -123,15 +125,20 @@ def memory(make: Callable[[], nn.Module], batches: list[torch.Tensor]) -> dict[s
     return rows
 
 
-def _time(fn: Callable[[], object], repeats: int) -> dict[str, float]:
+def _time_interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, dict[str, float]]:
+    """Median and min of ``repeats`` timings of each function, interleaved (one call of each per round, after
+    two warm-up calls of each): a burst of load on a shared machine hits every model, not one of them."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
     with torch.no_grad():
-        fn()
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
+        for fn in fns.values():
             fn()
-            times.append(time.perf_counter() - start)
-    return h.time_stats(times)
+            fn()
+        for _ in range(repeats):
+            for name, fn in fns.items():
+                start = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - start)
+    return {name: h.time_stats(t) for name, t in times.items()}
 
 
 def speed(make, batches_of, tokens: list[int], repeats: int) -> dict[str, dict[str, dict[str, float]]]:
@@ -139,19 +146,24 @@ def speed(make, batches_of, tokens: list[int], repeats: int) -> dict[str, dict[s
     fp32 = make()
     bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
     fake = quantize(copy.deepcopy(fp32), "INT8_SMOOTHQUANT_CFG", batches_of(64))
+    int8 = mtq.compress(copy.deepcopy(fake), int8_gemm=True)
     models = {
         "fp32": fp32,
         "bf16": bf16,
         "fake-quant W8A8": fake,
-        "compressed W8A8 int8 GEMM": mtq.compress(copy.deepcopy(fake), int8_gemm=True),
+        "compressed W8A8 int8 GEMM": int8,
         "compressed W8A8 dequantize": mtq.compress(copy.deepcopy(fake), int8_gemm=False),
+        # the layers left unquantized (lm_head, attention, norms) in bf16, as in the bf16 model
+        "compressed W8A8 int8 GEMM, bf16": copy.deepcopy(int8).to(torch.bfloat16),
     }
     for n in tokens:
         x = batches_of(n)[0]
-        out[str(n)] = {}
+        fns = {}
         for name, model in models.items():
-            xin = x.to(torch.bfloat16) if name == "bf16" and x.is_floating_point() else x
-            out[str(n)][name] = _time(lambda model=model, xin=xin: model(xin), repeats)
+            bf = name.endswith("bf16")
+            xin = x.to(torch.bfloat16) if bf and x.is_floating_point() else x
+            fns[name] = lambda model=model, xin=xin: model(xin)
+        out[str(n)] = _time_interleaved(fns, repeats)
     return out
 
 
@@ -385,11 +397,14 @@ def main() -> None:
             spd = speed(make, batches_of, args.tokens, args.repeats)
             print(f"\n{name}: forward seconds, median (min) of {args.repeats}")
             for tokens, row in spd.items():
-                fp32_min = row["fp32"]["min_s"]
-                print(f"{tokens:>5} tokens:")
+                fp32, bf16 = row["fp32"], row["bf16"]
+                print(f"{tokens:>5} tokens:  {'seconds':>20}  speed-up over fp32, over bf16: median (min)")
                 for k, v in row.items():
-                    ratio = fp32_min / v["min_s"]
-                    print(f"    {k:<28}{h.fmt_median_min(v, '.4f'):>20}  {ratio:.2f}x fp32 (min)")
+                    ratios = "  ".join(
+                        f"{b['median_s'] / v['median_s']:.2f}x ({b['min_s'] / v['min_s']:.2f}x)"
+                        for b in (fp32, bf16)
+                    )
+                    print(f"    {k:<34}{h.fmt_median_min(v, '.4f'):>20}  {ratios}")
             result[name]["speed"] = spd
     if "load" in args.sections:
         result["load"] = load_rss(args.load_hidden, args.load_layers, args.load_repeats, args.threads)

@@ -8,7 +8,10 @@ computes with them in one of two ways:
   ``pre_quant_scale``) runs torchao's ``Int8Tensor`` linear, a real int8 x int8 GEMM with int32 accumulation
   (the activation is quantized by torchao with the calibrated input scale), where that GEMM is fast
   (:func:`fast_int8_gemm`; ``compress(int8_gemm=...)`` decides otherwise). Its outputs differ from the
-  fake-quant model's by the float rounding of a different order of operations (:data:`W8A8_TOLERANCE`).
+  fake-quant model's by the float rounding of a different order of operations (:data:`W8A8_TOLERANCE`). On
+  a CPU that linear runs under ``torch.compile`` (inductor fuses the ops around the GEMM; eager after a
+  compilation failure, under autograd, inside an outer compilation, or with ``layer.compile_int8 = False``),
+  and each layer keeps its ``Int8Tensor`` between calls until its tensors change.
 * dequantize on the fly, every other layer: the layer's weight is rebuilt from the codes for each forward
   (peak extra memory: one layer's weight) and the layer computes what the fake-quant layer computes, bit for
   bit. Where the packer's dequantization is within one ulp of the fake-quantized weight (INT and FP8, whose

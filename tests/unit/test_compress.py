@@ -5,6 +5,7 @@ torchao's int8 GEMM, and bad input is refused."""
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 import sys
 
@@ -71,22 +72,128 @@ def test_weights_are_stored_packed(compressed_models, preset):
         assert packed <= 1.5 * full.numel() * bits / 8  # the codes and, at these tiny sizes, the scales
 
 
-def test_w8a8_runs_torchao_int8_gemm(monkeypatch):
+def _profiled_ops(model: torch.nn.Module, ids: torch.Tensor) -> list[str]:
+    """The op names one forward of ``model`` runs (after a warm-up forward, which compiles)."""
+    from torch.profiler import profile
+
+    _logits(model, ids)
+    with profile() as prof:
+        _logits(model, ids)
+    return [e.name for e in prof.events()]
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
+def test_w8a8_runs_torchao_int8_gemm(compiled):
     """W8A8 computes with torchao's Int8Tensor: torch._int_mm (int8 x int8 -> int32) runs once per layer
-    (``int8_gemm=True``: by default only where it is fast, a CPU with AVX512-VNNI / AMX, or CUDA)."""
+    (``int8_gemm=True``: by default only where it is fast, a CPU with AVX512-VNNI / AMX, or CUDA), under
+    torch.compile on a CPU (the activation quantization fused: no separate round op) or eagerly."""
+    from modelopt_lite.quantization.compressed import _COMPILED, CompressedLinear
+
     model = mtq.compress(quantized("llama", "INT8_SMOOTHQUANT_CFG"), int8_gemm=True)
-    assert all(m.uses_kernel for m in model.modules() if hasattr(m, "quant_algo"))
-    calls = []
-    int_mm = torch._int_mm
+    layers = [m for m in model.modules() if isinstance(m, CompressedLinear)]
+    assert len(layers) == 14
+    assert all(m.uses_kernel and m.compile_int8 for m in layers)
+    for m in layers:
+        m.compile_int8 = compiled
+    ops = _profiled_ops(model, batches(n=1)[0])
+    assert ops.count("aten::_int_mm") == 14
+    assert ("torchao::quantize_affine" in ops) is not compiled
+    assert ("aten::round" in ops) is not compiled
+    if compiled:
+        assert {(torch.float32, 3, tuple(m.weight.shape)) for m in layers} <= set(_COMPILED)
 
-    def spy(a, b):
-        calls.append((a.dtype, b.dtype))
-        return int_mm(a, b)
 
-    monkeypatch.setattr(torch, "_int_mm", spy)
-    _logits(model, batches(n=1)[0])
-    assert len(calls) == 14
-    assert {b for _, b in calls} == {torch.int8}
+def test_w8a8_compiles_every_layer_shape():
+    """Each W8A8 layer shape gets its own compiled function: with one shared function, dynamo would reach
+    its recompile limit (8) after a few shapes and run the other layers eagerly."""
+    widths = [16 + 8 * i for i in range(11)]
+    model = torch.nn.Sequential(*(torch.nn.Linear(a, b, bias=False) for a, b in itertools.pairwise(widths)))
+    data = [torch.randn(4, widths[0], generator=torch.Generator().manual_seed(0))]
+    mtq.compress(mtq.quantize(model, mtq.get_preset("INT8_SMOOTHQUANT_CFG"), data), int8_gemm=True)
+    with torch.no_grad():
+        model(data[0])
+        from torch.profiler import profile
+
+        with profile() as prof:
+            out = model(data[0])
+    ops = [e.name for e in prof.events()]
+    assert out.shape == (4, widths[-1])
+    assert ops.count("aten::_int_mm") == 10
+    assert "torchao::quantize_affine" not in ops  # no layer fell back to the eager torchao linear
+
+
+def test_w8a8_compiled_equals_eager_and_falls_back(monkeypatch, lib_caplog):
+    """The compiled int8 linear computes what the eager one computes (within W8A8_TOLERANCE of the fake
+    quant either way); a compilation failure logs one warning and the layers run eagerly from then on."""
+    from modelopt_lite.quantization import compressed
+
+    model = mtq.compress(quantized("llama", "INT8_SMOOTHQUANT_CFG"), int8_gemm=True)
+    ids = batches(n=2, seed=5)[0]
+    with_compile = _logits(model, ids)
+    for m in model.modules():
+        if isinstance(m, compressed.CompressedLinear):
+            m.compile_int8 = False
+    torch.testing.assert_close(with_compile, _logits(model, ids), rtol=0, atol=1e-6)
+    for m in model.modules():
+        if isinstance(m, compressed.CompressedLinear):
+            m.compile_int8 = True
+
+    def broken(x, weight):
+        raise RuntimeError("InvalidCxxCompiler: no working C++ compiler found")
+
+    monkeypatch.setattr(compressed, "_compiled_int8_linear", broken)
+    monkeypatch.setitem(compressed._COMPILE, "failed", False)
+    with lib_caplog.at_level(logging.WARNING):
+        eager = _logits(model, ids)
+        _logits(model, ids)
+    torch.testing.assert_close(eager, with_compile, rtol=0, atol=1e-6)
+    warnings = [r for r in lib_caplog.records if "torch.compile of the W8A8 int8 linear failed" in r.message]
+    assert len(warnings) == 1
+    assert "InvalidCxxCompiler" in warnings[0].message
+    assert compressed._COMPILE["failed"]
+
+
+def test_w8a8_int8_tensor_built_once_and_rebuilt_when_its_tensors_change(monkeypatch):
+    """The torchao Int8Tensor of a W8A8 layer is built on the first forward and reused (rebuilding it per
+    call cost as much as a small layer's GEMM); a changed amax (in place, as load_state_dict does, or a new
+    tensor), a dtype cast or another input rank rebuild it, and the outputs follow."""
+    from modelopt_lite.quantization.compressed import _INT8_WEIGHTS, CompressedLinear
+
+    fake = quantized("llama", "INT8_SMOOTHQUANT_CFG")
+    model = mtq.compress(copy.deepcopy(fake), int8_gemm=True)
+    builds = []
+    build = CompressedLinear._int8_weight
+
+    def spy(self, dtype, ndim):
+        builds.append((dtype, ndim))
+        return build(self, dtype, ndim)
+
+    monkeypatch.setattr(CompressedLinear, "_int8_weight", spy)
+    ids = batches(n=1, seed=3)[0]
+    first = _logits(model, ids)
+    assert len(builds) == 14
+    assert torch.equal(_logits(model, ids), first)
+    assert len(builds) == 14  # reused: not one more build
+
+    layer, fake_layer = model.model.layers[0].mlp.down_proj, fake.model.layers[0].mlp.down_proj
+    x = torch.randn(2, 5, layer.in_features, generator=torch.Generator().manual_seed(0))
+    rtol, atol = W8A8_TOLERANCE
+    with torch.no_grad():
+        for q in (layer.input_quantizer, fake_layer.input_quantizer):  # in place, as load_state_dict does
+            q._amax.mul_(0.5)
+        torch.testing.assert_close(layer(x), fake_layer(x), rtol=rtol, atol=atol)
+        for q in (layer.input_quantizer, fake_layer.input_quantizer):  # a new tensor
+            q.amax = q.amax * 3.0
+        torch.testing.assert_close(layer(x), fake_layer(x), rtol=rtol, atol=atol)
+        torch.testing.assert_close(layer(x[0]), fake_layer(x[0]), rtol=rtol, atol=atol)  # 2-D input
+        before = layer(x)
+        layer.register_buffer("weight_scale", layer.weight_scale * 2)  # another tensor (same version)
+        assert torch.equal(layer(x), 2 * before)  # no bias: the output scales by 2 exactly
+    assert builds[14:] == [(torch.float32, 3), (torch.float32, 3), (torch.float32, 2), (torch.float32, 3)]
+    model.to(torch.bfloat16)
+    assert layer not in _INT8_WEIGHTS  # a cast drops it: it would keep the replaced buffers alive
+    assert _logits(model, ids).dtype == torch.bfloat16
+    assert builds[-1] == (torch.bfloat16, 3)
 
 
 def test_w8a8_int8_gemm_choice():

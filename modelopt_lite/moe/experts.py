@@ -112,8 +112,8 @@ def _batched_fake_quant(
     smoothing, rotation, bias or learned amax) with the same attributes, one calibrated amax per expert and
     a format whose math takes that amax as a per-expert broadcast (NVFP4 with its global amax, per-tensor
     INT / FP8). One autograd node then carries the whole weight: no per-expert slices, stack or unbind.
-    ``buffer``: gives a float32 tensor shaped like ``weight`` (or ``None``) for NVFP4 on the CPU (the fused
-    path off, a last axis that splits into whole blocks) to write its result into."""
+    ``buffer``: gives a float32 tensor shaped like ``weight`` for NVFP4 (a last axis that splits into whole
+    blocks) to write its result into, or ``None`` for a fresh one (it decides when, e.g. on the CPU only)."""
     first = quantizers[0]
     if not isinstance(first, TensorQuantizer):
         return None
@@ -138,8 +138,9 @@ def _batched_fake_quant(
     try:
         block = spec.block_axes[0][1] if nvfp4 else None
         out = None
-        # the opt-in fused CPU path takes NVFP4 with a single global amax only (one expert): it keeps that
-        if block and buffer is not None and weight.device.type == "cpu" and weight.shape[-1] % block == 0:
+        # asked on every device (a module moved off the CPU releases its buffer); the opt-in fused CPU
+        # path takes NVFP4 with a single global amax only (one expert): it keeps that case
+        if block and buffer is not None and weight.shape[-1] % block == 0:
             out = None if fused_fake_quant_enabled() and amax.numel() == 1 else buffer()
         if out is not None:
             if torch.is_grad_enabled() and weight.requires_grad:
@@ -219,8 +220,8 @@ class QuantExperts(QuantModule):
         backward ran, or it was dropped); otherwise a new one replaces it. Memory: in training every
         layer's fake-quantized weight stays alive until the backward anyway; keeping it between steps
         holds that memory (the experts' float32 weights once more) across the optimizer step too. It is
-        released by a forward outside training (``eval()`` or ``no_grad``), ``fold_weight`` and removal
-        of the quantizers."""
+        released by a forward outside training (``eval()`` or ``no_grad``) or off the CPU, ``fold_weight``
+        and removal of the quantizers."""
         cache: dict[str, tuple[torch.Tensor, int]] = self.__dict__.setdefault("_weight_buffers", {})
         if not (
             self.reuse_weight_buffers and self.training and torch.is_grad_enabled()

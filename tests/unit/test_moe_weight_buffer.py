@@ -92,6 +92,15 @@ def test_no_buffer_kept_outside_float32_training(case):
     assert out.dtype == getattr(experts, proj).dtype
 
 
+def test_a_weight_off_the_cpu_releases_the_buffer():
+    experts = _experts("qwen3_moe", "nvfp4", torch.float32, "pass_through").train()
+    proj = experts._projections[0]
+    experts.quantized_weight(proj)
+    assert proj in _buffers(experts)
+    assert experts.weight_buffer(proj, torch.empty(getattr(experts, proj).shape, device="meta")) is None
+    assert proj not in _buffers(experts)
+
+
 def test_the_opt_in_fused_path_keeps_the_buffer_for_a_batch_of_experts(monkeypatch):
     """The fused CPU path does not take a batch of NVFP4 global amax: the buffer stays in use with it on."""
     monkeypatch.setitem(fused._state, "enabled", True)

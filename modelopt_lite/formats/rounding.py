@@ -60,11 +60,12 @@ def minifloat_round(
     ``a`` must be non-negative unless ``signed=True``. The spacing of representable values around ``|a|``
     is ``2**(max(floor(log2 |a|), min_exp) - man_bits)``; dividing by that power of two is exact, so
     ``torch.round`` (half to even) does the rounding. ``out`` may be ``a`` itself.
+
+    The spacing is built on the bit patterns in three passes: ``a``'s biased exponent field (the sign bit
+    masked off, so no ``abs`` pass), raised to ``min_exp``'s, minus ``man_bits`` in the exponent field.
     """
-    mag = a.abs() if signed else a
-    bits = mag.view(torch.int32)
-    exp = torch.bitwise_right_shift(bits, 23).sub_(127).clamp_(min=spec.min_exp)
-    step = exp.sub_(spec.man_bits - 127).bitwise_left_shift_(23).view(torch.float32)
+    exp_field = torch.bitwise_and(a.view(torch.int32), 0x7F800000)
+    step = exp_field.clamp_(min=(spec.min_exp + 127) << 23).sub_(spec.man_bits << 23).view(torch.float32)
     res = torch.div(a, step, out=out).round_().mul_(step)
     return res.clamp_(-spec.max_value, spec.max_value) if signed else res.clamp_(max=spec.max_value)
 

@@ -161,7 +161,8 @@ class QuantExperts(QuantModule):
     #: ``benchmarks/moe.py`` turns this off, to measure the stacked copy it saves.
     weight_pass_through: bool = True
     #: Keep each projection's fake-quantized weight buffer from step to step (see :meth:`weight_buffer`).
-    #: Only ``benchmarks/moe.py`` turns this off, to measure what it saves.
+    #: Set ``False`` (on the class or one module) to give up that speed for the memory the buffers hold
+    #: between steps; ``benchmarks/moe.py`` does, to measure both.
     reuse_weight_buffers: bool = True
     has_gate: bool
     has_bias: bool

@@ -59,6 +59,7 @@ FORMATS = {
     "INT4_AWQ_CFG": "max",
     "NVFP4_DEFAULT_CFG": "max",
     "MXFP8_DEFAULT_CFG": "max",
+    "MXFP4_DEFAULT_CFG": "max",
 }
 
 
@@ -304,8 +305,8 @@ def quality(repeats: int, new_tokens: int, n_windows: int) -> dict[str, dict]:
     base = _generate_stats(fp32, prompt, new_tokens, repeats)
     out: dict[str, dict] = {"fp32": {"ppl": perplexity(fp32, heldout), "gen": base["tokens_per_s"]}}
     for preset in FORMATS:
-        # MXFP8 packs blocks of 32 inputs: down_proj's 688 inputs stay unquantized there
-        exclude = ("*down_proj",) if preset == "MXFP8_DEFAULT_CFG" else ()
+        # MX formats pack blocks of 32 inputs: down_proj's 688 inputs stay unquantized there
+        exclude = ("*down_proj",) if preset.startswith("MX") else ()
         fake = quantize(copy.deepcopy(fp32), preset, calib, exclude)
         compressed = mtq.compress(copy.deepcopy(fake))
         kernel = any(getattr(m, "uses_kernel", False) for m in compressed.modules())

@@ -22,6 +22,7 @@ from ..nn import QuantAttention, QuantLinear, TensorQuantizer
 from ..nn.quant_module import Quantizer
 from ..quantization.compress import CompressedExperts, CompressedLinear
 from ..quantization.packers import (
+    COMPRESS_ONLY,
     SUPPORTED,
     UnsupportedFormatError,
     _describe,
@@ -150,6 +151,16 @@ def _gate_up_order(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else torch.cat((t[0::2], t[1::2]))
 
 
+def _exportable(name: str, algo: str | None) -> str | None:
+    """``algo``, or a refusal for the formats only ``mtq.compress`` writes."""
+    if algo in COMPRESS_ONLY:
+        raise UnsupportedFormatError(
+            f"{name}: {algo} has no unified checkpoint layout here (mtq.compress keeps it packed in memory; "
+            "GPT-OSS MXFP4 experts: export_gpt_oss_mxfp4); export another format, e.g. NVFP4 or MXFP8"
+        )
+    return algo
+
+
 def _experts_specs(name: str, module: QuantExperts) -> Iterator[tuple]:
     """``(hub name, split, quant_algo, proj, expert, weight quantizer, input quantizer)`` per expert
     projection; reads no weight."""
@@ -159,7 +170,7 @@ def _experts_specs(name: str, module: QuantExperts) -> Iterator[tuple]:
         iq = getattr(module, f"{proj}_input_quantizer")
         for e, wq in enumerate(getattr(module, f"{proj}_weight_quantizers")):
             prefix = f"{name}.{e}"
-            algo = detect_format(f"{name}.{proj}[{e}]", wq, iq)
+            algo = _exportable(f"{name}.{proj}[{e}]", detect_format(f"{name}.{proj}[{e}]", wq, iq))
             reordered = isinstance(hub, tuple) and _interleaved(module) and algo is not None
             if reordered and (algo not in _ROW_ORDER_FREE or getattr(wq.spec, "static_nvfp4", False)):
                 raise UnsupportedFormatError(
@@ -229,7 +240,7 @@ def export_plan(model: nn.Module) -> list[ExportModule]:
             replaced = {f"{name}.{p}" for proj in module._projections for p in (proj, f"{proj}_bias")}
             plan.append(ExportModule(name, module, replaced, algos))
         elif isinstance(module, QuantLinear):
-            algo = linear_format(name, module)
+            algo = _exportable(name, linear_format(name, module))
             if algo is not None:
                 plan.append(ExportModule(name, module, {f"{name}.weight"}, [algo]))
     awq = any(algo == "NVFP4_AWQ" for m in plan for algo in m.algos)  # a layer AWQ left unsmoothed is AWQ

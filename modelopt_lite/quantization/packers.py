@@ -39,6 +39,7 @@ from ..nn.quant_linear import lowrank_factors
 from ..nn.quant_module import Quantizer
 
 __all__ = [
+    "COMPRESS_ONLY",
     "PACKERS",
     "SUPPORTED",
     "Packer",
@@ -292,34 +293,71 @@ class NVFP4Packer(_FixedBlockPacker):
         return (values.reshape(-1, self.block) * step).reshape(values.shape)
 
 
-@register_packer("MXFP8")
-class MXFP8Packer(_FixedBlockPacker):
-    """``weight`` float8_e4m3fn ``(out, in)``; ``weight_scale`` uint8 ``(out, in / 32)``: the E8M0 exponent
-    byte (``exponent + 127``) of each block's power-of-two scale."""
+class _MXPacker(_FixedBlockPacker):
+    """MX formats: ``weight_scale`` uint8 ``(out, in / 32)``, the E8M0 exponent byte (``exponent + 127``) of
+    each block's power-of-two scale; the codes are the block divided by that scale (exact), rounded."""
 
-    weight_dtype = torch.float8_e4m3fn
-    weight_bits = 8
-    nominal_bits = 8.25
     block = 32
-    name = "MXFP8"
     exact_dequantize = True
+    element: ClassVar[tuple[int, int]]
+
+    def _encode(self, scaled: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _decode(self, codes: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
     def pack(self, weight: torch.Tensor, quantizer: Quantizer) -> Tensors:
-        out_f, in_f = weight.shape
+        out_f, _ = weight.shape
         blocks = self._blocks(weight)
-        exp = mx_scale_exponent(blocks.abs().amax(-1, keepdim=True), (4, 3))
+        exp = mx_scale_exponent(blocks.abs().amax(-1, keepdim=True), self.element)
         scaled = blocks / torch.ldexp(torch.ones_like(exp, dtype=torch.float32), exp)  # exact
-        codes = minifloat_round(scaled.abs(), E4M3).copysign_(scaled)
         return {
-            "weight": codes.reshape(out_f, in_f).to(torch.float8_e4m3fn),
+            "weight": self._encode(scaled).reshape(out_f, -1),
             "weight_scale": (exp + 127).to(torch.uint8).reshape(out_f, -1),
         }
 
     def dequantize(self, tensors: Tensors, group_size: int | None = None) -> torch.Tensor:
-        codes = tensors["weight"].float()
+        values = self._decode(tensors["weight"])
         exp = tensors["weight_scale"].to(torch.int32) - 127
         scale = torch.ldexp(torch.ones_like(exp, dtype=torch.float32), exp)
-        return (codes.reshape(-1, self.block) * scale.reshape(-1, 1)).reshape(codes.shape)
+        return (values.reshape(-1, self.block) * scale.reshape(-1, 1)).reshape(values.shape)
+
+
+@register_packer("MXFP8")
+class MXFP8Packer(_MXPacker):
+    """``weight`` float8_e4m3fn ``(out, in)``; ``weight_scale`` the E8M0 bytes (``_MXPacker``)."""
+
+    weight_dtype = torch.float8_e4m3fn
+    weight_bits = 8
+    nominal_bits = 8.25
+    name = "MXFP8"
+    element = (4, 3)
+
+    def _encode(self, scaled: torch.Tensor) -> torch.Tensor:
+        return minifloat_round(scaled.abs(), E4M3).copysign_(scaled).to(torch.float8_e4m3fn)
+
+    def _decode(self, codes: torch.Tensor) -> torch.Tensor:
+        return codes.float()
+
+
+@register_packer("MXFP4")
+class MXFP4Packer(_MXPacker):
+    """``weight`` uint8 ``(out, in / 2)`` (E2M1 codes, even element low, as NVFP4); ``weight_scale`` the E8M0
+    bytes (``_MXPacker``). ``mtq.compress`` only: the unified export has no MXFP4 layout here
+    (:data:`COMPRESS_ONLY`; GPT-OSS experts: ``export_gpt_oss_mxfp4``)."""
+
+    weight_dtype = torch.uint8
+    weight_bits = 4
+    nominal_bits = 4.25
+    name = "MXFP4"
+    element = (2, 1)
+
+    def _encode(self, scaled: torch.Tensor) -> torch.Tensor:
+        return pack_e2m1(scaled)
+
+    def _decode(self, codes: torch.Tensor) -> torch.Tensor:
+        return unpack_e2m1(codes)
 
 
 #: (weight kind, input kind) -> quant_algo; "AWQ" variants are chosen by a pre_quant_scale
@@ -333,7 +371,11 @@ _FORMATS = {
     ("nvfp4", "nvfp4"): "NVFP4",
     ("nvfp4", "none"): "W4A16_NVFP4",
     ("mxfp8", "mxfp8"): "MXFP8",
+    ("mxfp4", "mxfp4"): "MXFP4",
+    ("mxfp4", "none"): "MXFP4",
 }
+#: formats ``mtq.compress`` packs that the unified export does not write (no reference layout checked here)
+COMPRESS_ONLY = frozenset({"MXFP4"})
 SUPPORTED = "; ".join(f"weight {w} + input {i} -> {a}" for (w, i), a in _FORMATS.items())
 
 
@@ -359,6 +401,8 @@ def _kind(q: TensorQuantizer) -> str:
         return "nvfp4"
     if spec.kind == "mx" and spec.num_bits == (4, 3):
         return "mxfp8"
+    if spec.kind == "mx" and spec.num_bits == (2, 1):
+        return "mxfp4"
     return "other"
 
 

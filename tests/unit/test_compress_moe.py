@@ -110,6 +110,27 @@ def test_expert_weights_are_stored_packed(qwen_models, preset):
         assert packed <= ratio * bf16, (name, packed, bf16)
 
 
+def test_gpt_oss_mxfp4_experts_compress_to_four_bits():
+    """GPT-OSS's own format: MXFP4 expert weights (MXFP4_MLP_WEIGHT_ONLY_CFG) compress to E2M1 codes (4 bits)
+    and E8M0 block scales, and the outputs equal the fake-quant model's bit for bit."""
+    model = _quantized("gpt_oss", "MXFP4_MLP_WEIGHT_ONLY_CFG")
+    compressed = mtq.compress(copy.deepcopy(model))
+    experts = next(iter(_experts(compressed).values()))
+    assert isinstance(experts, CompressedExperts)
+    original = next(iter(_experts(model).values()))
+    for proj in experts._projections:
+        codes, scales = experts.get_buffer(proj), experts.get_buffer(f"{proj}_weight_scale")
+        assert codes.dtype == torch.uint8
+        assert scales.dtype == torch.uint8
+        assert codes.numel() * 2 == getattr(original, proj).numel()  # two E2M1 codes per byte
+        assert scales.numel() * 32 == getattr(original, proj).numel()  # one E8M0 byte per 32 weights
+    ids = batches(n=1, seed=3)[0]
+    for backend in BACKENDS:
+        model.set_experts_implementation(backend)
+        compressed.set_experts_implementation(backend)
+        assert torch.equal(_logits(compressed, ids), _logits(model, ids))
+
+
 @pytest.mark.parametrize("family", ["gpt_oss", "llama4"])
 @pytest.mark.parametrize("preset", ["NVFP4_DEFAULT_CFG", "FP8_DEFAULT_CFG"])
 def test_transposed_experts(family, preset):

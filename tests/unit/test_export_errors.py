@@ -61,8 +61,20 @@ def test_empty_existing_directory_is_used(tmp_path, nvfp4_llama):
 
 
 def test_unsupported_weight_format_names_layer_and_format(tmp_path):
+    model = quantized("llama", "MXFP6_DEFAULT_CFG")
+    with pytest.raises(
+        UnsupportedFormatError, match=r"model\.layers\.0\.self_attn\.q_proj: no real format.*mxfp6"
+    ):
+        export_hf_checkpoint(model, tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_compress_only_format_refused_by_the_export(tmp_path):
+    # MXFP4 linears compress (mtq.compress) but have no unified checkpoint layout: refused, naming the layer
     model = quantized("llama", "MXFP4_DEFAULT_CFG")
-    with pytest.raises(UnsupportedFormatError, match=r"model\.layers\.0\.self_attn\.q_proj: .*mxfp4"):
+    with pytest.raises(
+        UnsupportedFormatError, match=r"model\.layers\.0\.self_attn\.q_proj: MXFP4 has no unified"
+    ):
         export_hf_checkpoint(model, tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
 

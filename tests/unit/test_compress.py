@@ -297,7 +297,9 @@ def test_trainers_refuse_a_compressed_model(tmp_path, trainer):
         )
 
 
-@pytest.mark.parametrize("preset", ["INT8_SMOOTHQUANT_CFG", "NVFP4_DEFAULT_CFG", "INT4_AWQ_CFG"])
+@pytest.mark.parametrize(
+    "preset", ["INT8_SMOOTHQUANT_CFG", "NVFP4_DEFAULT_CFG", "INT4_AWQ_CFG", "MXFP4_DEFAULT_CFG"]
+)
 def test_mto_save_restore_keeps_weights_packed(tmp_path, preset):
     """mto.save writes the packed tensors (safetensors, no pickle); mto.restore onto a fresh model re-creates
     the compressed layers and gives the same outputs."""

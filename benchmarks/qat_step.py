@@ -206,6 +206,120 @@ def _child(
     }  # fmt: skip
 
 
+def _interleaved(configs: list[str], threads: int, warmup: int, steps: int, malloc: str, vocab: int) -> dict:
+    """``--interleaved``: the plain ``Trainer`` and a ``QATTrainer`` per preset in one process, their
+    optimizer steps taken in turn (plain, each preset, plain, ...), so that a shared machine's load drifts
+    over every trainer alike. Each step is the one ``Trainer.train()`` takes: ``training_step`` (ours
+    collects garbage first), gradient clipping, ``optimizer.step()``, the scheduler, ``zero_grad`` and the
+    ``on_step_end`` callbacks (ours freezes the collector after its first step). Returns per trainer the
+    wall and CPU seconds (``time.thread_time``: this thread, the only one at ``threads == 1``; else
+    ``process_time``) of each step after ``warmup``, and the loss of every step."""
+    import contextlib
+    import tempfile
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    from modelopt_lite.allocator import malloc_tuned
+    from modelopt_lite.training import QATTrainer, QuantizationArguments
+
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(1234)
+    ids = torch.randint(0, vocab, (BATCH * (warmup + steps), SEQ), generator=gen)
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    cpu_clock = time.thread_time if threads == 1 else time.process_time
+    names = ["plain", *configs]
+    res: dict = {n: {"times": [], "cpu": [], "loss": []} for n in names}
+    with contextlib.ExitStack() as stack:
+        out = stack.enter_context(tempfile.TemporaryDirectory(prefix="qat_step_"))
+        stack.enter_context(malloc_tuned(malloc == "on"))
+        args = TrainingArguments(
+            output_dir=out, max_steps=warmup + steps, per_device_train_batch_size=BATCH, learning_rate=LR,
+            report_to=[], save_strategy="no", logging_steps=1, use_cpu=True, seed=0, disable_tqdm=True,
+            dataloader_num_workers=0,
+        )  # fmt: skip
+        trainers = {}
+        for name in names:
+            torch.manual_seed(0)
+            model = LlamaForCausalLM(LlamaConfig(**{**MODEL, "vocab_size": vocab})).float()
+            if name == "plain":
+                trainer = Trainer(model=model, args=args, train_dataset=data)
+            else:
+                quant = QuantizationArguments(
+                    recipe=name, calib_size=CALIB_SAMPLES, calib_batch_size=BATCH, malloc_tuning="off"
+                )  # the allocator setting is the whole process's here
+                trainer = QATTrainer(model=model, args=args, train_dataset=data, quant_args=quant)
+                trainer.quantize_model()
+            trainer.create_optimizer_and_scheduler(num_training_steps=warmup + steps)
+            trainer.current_gradient_accumulation_steps = 1  # what train() sets before its steps
+            model.train()
+            trainers[name] = trainer
+        for step in range(warmup + steps):
+            batch = trainers["plain"].data_collator(data[step * BATCH : (step + 1) * BATCH])
+            for name, trainer in trainers.items():
+                model, state = trainer.model, trainer.state
+                start, cpu0 = time.perf_counter(), cpu_clock()
+                loss = trainer.training_step(model, dict(batch))
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                trainer.optimizer.step()
+                trainer.lr_scheduler.step()
+                model.zero_grad()
+                state.global_step += 1
+                trainer.callback_handler.on_step_end(args, state, trainer.control)
+                wall, cpu = time.perf_counter() - start, cpu_clock() - cpu0
+                res[name]["loss"].append(float(loss))
+                if step >= warmup:
+                    res[name]["times"].append(wall)
+                    res[name]["cpu"].append(cpu)
+        for trainer in trainers.values():
+            policy = getattr(trainer, "gc_policy", None)
+            if policy is not None:
+                policy.close()
+    return {"results": res, "torch": torch.__version__}
+
+
+def _main_interleaved(args, configs: list[str], mallocs: list[str]) -> None:
+    """Run ``--rounds`` interleaved processes per allocator setting and print median (min) per trainer and
+    its ratio to the plain ``Trainer`` of the same processes (wall and CPU)."""
+    env = h.child_env(args.threads, h.REPO_ROOT, keep_pythonpath=False, TRANSFORMERS_VERBOSITY="error")
+    pooled: dict[str, dict[str, dict[str, list[float]]]] = {}
+    for _ in range(args.rounds):
+        for malloc in mallocs:
+            cmd = [sys.executable, os.path.abspath(__file__), "--child", "interleaved", "--configs", *configs]
+            cmd += ["--threads", str(args.threads), "--warmup", str(args.warmup), "--steps", str(args.steps)]
+            cmd += ["--malloc", malloc, "--vocab", str(args.vocab)]
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+            found = h.parse_results(proc.stdout)
+            res = found[-1] if found else h.crash_error(proc)
+            if "error" in res:
+                print(f"interleaved malloc {malloc} failed: {res['error']}")
+                continue
+            for name, r in res["results"].items():
+                slot = pooled.setdefault(malloc, {}).setdefault(name, {"times": [], "cpu": []})
+                slot["times"] += r["times"]
+                slot["cpu"] += r["cpu"]
+    n = args.steps * args.rounds
+    print(
+        f"\n### Interleaved in one process per setting: median (min) of {n} steps; ratios to the plain "
+        "`Trainer` of the same processes (medians (mins))\n"
+    )
+    print("| trainer | allocator | wall s / step | / plain | CPU s / step | / plain |")
+    print("|---|---|---|---|---|---|")
+    for malloc, rows in pooled.items():
+        base = {k: h.time_stats(rows["plain"][k]) for k in ("times", "cpu")}
+        for name, r in rows.items():
+            cells = []
+            for k in ("times", "cpu"):
+                m = h.time_stats(r[k])
+                ratio = f"{m['median_s'] / base[k]['median_s']:.2f}x ({m['min_s'] / base[k]['min_s']:.2f}x)"
+                cells += [h.fmt_median_min(m), ratio]
+            label = "plain `Trainer`" if name == "plain" else f"ours {name}"
+            print(f"| {label} | {malloc} | " + " | ".join(cells) + " |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"interleaved": True, "threads": args.threads, "results": pooled}, f, indent=1)
+
+
 # ---------------------------------------------------------------------------------------------- parent
 
 _PROBE = f"import accelerate, transformers, {REF_TRAINER}; from transformers import TrainingArguments"
@@ -363,9 +477,19 @@ def main() -> None:
         "--vocab", type=int, default=VOCAB,
         help="vocabulary size (32000: logits and embedding gradients above glibc's 32 MiB mmap ceiling)",
     )  # fmt: skip
-    parser.add_argument("--child", choices=["plain", "ours", "ref"], help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--interleaved", action="store_true",
+        help="one process per allocator setting: plain and every preset's steps taken in turn (ratios from "
+        "the same process; no reference)",
+    )  # fmt: skip
+    parser.add_argument("--child", choices=["plain", "ours", "ref", "interleaved"], help=argparse.SUPPRESS)
     parser.add_argument("--config", default="none", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child == "interleaved":
+        a = args
+        configs = a.configs or CONFIGS
+        h.run_and_emit(lambda: _interleaved(configs, a.threads, a.warmup, a.steps, a.malloc, a.vocab), 300)
+        return
     if args.child:
         a = args
         run = lambda: _child(a.child, a.config, a.threads, a.warmup, a.steps, a.malloc, a.vocab)  # noqa: E731
@@ -374,6 +498,9 @@ def main() -> None:
     if args.quick:
         args.steps, args.warmup = 2, 1
     configs = args.configs or (QUICK_CONFIGS if args.quick else CONFIGS)
+    if args.interleaved:
+        _main_interleaved(args, configs, ["off", "on"] if args.malloc == "both" else [args.malloc])
+        return
 
     print(
         f"tiny Llama (hidden 256, 4 layers, vocab {args.vocab}), fp32, batch {BATCH}x{SEQ}; threads "

@@ -1,0 +1,26 @@
+"""``benchmarks/qat_step.py --interleaved`` (issue 19): the plain ``Trainer`` and a ``QATTrainer`` take their
+optimizer steps in turn in one process; each trainer gets its own timed steps and really trains (its loss
+moves, and the quantized model's differs from the plain one's)."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import qat_step  # noqa: E402  (the benchmark script)
+
+
+def test_interleaved_steps_every_trainer_in_turn():
+    out = qat_step._interleaved(["FP8_DEFAULT_CFG"], threads=1, warmup=1, steps=2, malloc="off", vocab=128)
+    res = out["results"]
+    assert list(res) == ["plain", "FP8_DEFAULT_CFG"]
+    for r in res.values():
+        assert len(r["times"]) == 2 and len(r["cpu"]) == 2  # the warm-up step is not timed
+        assert all(t > 0 for t in r["times"])
+        assert len(r["loss"]) == 3 and all(math.isfinite(v) for v in r["loss"])
+        assert r["loss"][0] != r["loss"][-1]  # the optimizer stepped
+    # same seed, data and steps: only the fake quantization tells the two apart
+    assert res["plain"]["loss"][0] != res["FP8_DEFAULT_CFG"]["loss"][0]

@@ -1,7 +1,14 @@
 """QAT training-step time through the real trainers: ``QATTrainer`` / plain ``transformers.Trainer``.
 
     OMP_NUM_THREADS=2 python benchmarks/qat_step.py [--steps 5] [--warmup 2] [--rounds 1] [--quick] [--json F]
-        [--malloc both|on|off]
+        [--malloc both|on|off] [--interleaved]
+
+``--interleaved``: instead of a process per trainer, one process per allocator setting (and round) holds the
+plain ``Trainer`` and a ``QATTrainer`` per preset, and their optimizer steps are taken in turn (plain, FP8,
+NVFP4, INT4, plain, ...), so that other jobs on a shared machine slow every trainer alike; the ratios come
+from the same process. Each step is the one ``Trainer.train()`` takes (``training_step``, clipping,
+``optimizer.step()``, scheduler, ``zero_grad``, the ``on_step_end`` callbacks); the allocator setting is
+applied to the whole process (``malloc_tuned()``) for ``on``. No reference column. Wall and CPU seconds.
 
 Model: ``LlamaForCausalLM`` from a config (hidden 256, intermediate 688, 4 layers, 4 heads / 2 KV heads,
 vocab 4096 or ``--vocab``), fp32, ``torch.manual_seed(0)``. Data: ``--warmup + --steps`` batches of 4x128

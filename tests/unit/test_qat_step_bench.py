@@ -10,7 +10,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-import qat_step  # noqa: E402  (the benchmark script)
+import qat_step  # the benchmark script
 
 
 def test_interleaved_steps_every_trainer_in_turn():
@@ -18,9 +18,11 @@ def test_interleaved_steps_every_trainer_in_turn():
     res = out["results"]
     assert list(res) == ["plain", "FP8_DEFAULT_CFG"]
     for r in res.values():
-        assert len(r["times"]) == 2 and len(r["cpu"]) == 2  # the warm-up step is not timed
+        assert len(r["times"]) == 2  # the warm-up step is not timed
+        assert len(r["cpu"]) == 2
         assert all(t > 0 for t in r["times"])
-        assert len(r["loss"]) == 3 and all(math.isfinite(v) for v in r["loss"])
+        assert len(r["loss"]) == 3
+        assert all(math.isfinite(v) for v in r["loss"])
         assert r["loss"][0] != r["loss"][-1]  # the optimizer stepped
     # same seed, data and steps: only the fake quantization tells the two apart
     assert res["plain"]["loss"][0] != res["FP8_DEFAULT_CFG"]["loss"][0]

@@ -1,12 +1,15 @@
 """One peer library's QAT / QAD rows for ``benchmarks/peers.py``, run under the peer's own interpreter.
 
-    PEER_PYTHON benchmarks/_peer_worker.py --peer {torchao,modelopt} --spec SPEC.json
+    PEER_PYTHON benchmarks/_peer_worker.py --peer {torchao,modelopt,...} --spec SPEC.json
 
 ``SPEC.json`` (written by ``peers.py``): ``model_dir`` (the benchmark model, a Hugging Face folder),
 ``data`` (a safetensors file: ``train`` / ``calib`` / ``validation`` / ``test`` token windows), ``formats``,
 ``steps``, ``batch_size``, ``lr``, ``seed``, ``temperature``, ``threads``, ``calib_batch``; for the
 ``modelopt_auto_quantize`` peer (``benchmarks/auto_quantize.py``) ``formats`` is ``["auto_quantize"]`` and
-``auto_quantize`` holds the search settings.
+``auto_quantize`` holds the search settings. The ``modelopt_moe_step`` peer (``benchmarks/moe.py
+--reference-python``) times the reference's quantized MoE QAT step instead: its spec holds ``model_dir``,
+``data`` (a safetensors file: ``calib`` batches and the ``step`` input ids), ``preset``, ``lr``,
+``repeats`` and ``threads``.
 
 Imports torch, transformers, safetensors and the peer library. Of this repository it imports only the
 measuring functions of ``benchmarks/accuracy.py`` (training windows, perplexity, KL, training arguments),
@@ -22,6 +25,7 @@ import argparse
 import copy
 import json
 import re
+import statistics
 import sys
 import tempfile
 import time
@@ -250,11 +254,73 @@ def modelopt_auto_quantize_rows(run: Run, _fmt: str) -> None:
         run.add(f"modelopt {aq['method']}", "auto_quantize", "", model, bits=bits)
 
 
+def modelopt_moe_step(spec: dict[str, Any]) -> dict[str, Any]:
+    """nvidia-modelopt's quantized QAT step for ``benchmarks/moe.py --reference-python``: the spec's
+    ``model_dir`` (our benchmark Qwen3-MoE, saved with ``save_pretrained``) loaded in fp32, ``mtq.quantize``
+    with the spec's ``preset`` (``FP8_DEFAULT_CFG``: its fake quant runs on CPU) calibrated on the ``calib``
+    batches of the ``data`` safetensors file (the reference forces fused experts to transformers' ``eager``
+    implementation and quantizes per expert), ``train()``, AdamW(lr ``lr``), then one warm-up and ``repeats``
+    timed steps of ``loss = model(ids, labels=ids).loss; loss.backward(); opt.step(); opt.zero_grad()`` on
+    ``data["step"]``: wall-clock and CPU seconds per step, the load of other processes (as our children)."""
+    import modelopt.torch.quantization as mtq
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(spec["threads"])
+    torch.manual_seed(0)
+    data = load_file(spec["data"])
+    calib, ids = list(data["calib"].unbind(0)), data["step"]
+    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32).eval()
+
+    def forward_loop(m: Any) -> None:
+        for batch in calib:
+            m(input_ids=batch)
+
+    with torch.no_grad():
+        mtq.quantize(model, copy.deepcopy(getattr(mtq, spec["preset"])), forward_loop)
+    counts = _modelopt_counts(model)
+    per_expert = re.compile(r"\.experts\.\w+_weight_quantizers\.\d+$")  # one per expert and projection
+    names = [n for n, m in model.named_modules() if per_expert.search(n) and getattr(m, "is_enabled", False)]
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=spec["lr"])
+    times: list[float] = []
+    cpu_s: list[float] = []
+    loads: list[float] = []
+    loss = None
+    for i in range(spec["repeats"] + 1):
+        start = h.CpuMark.now()
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        seconds, others = start.since()
+        if i:  # step 0 is the warm-up
+            times.append(seconds)
+            cpu_s.append(time.process_time() - start.own)
+            loads.append(others)
+        _log(f"  reference step {i}: {seconds:.3f} s")
+    return {
+        "times": times,
+        "cpu_s": cpu_s,
+        "other_cores_busy": statistics.median(loads) if loads else 0.0,
+        "impl": getattr(model.config, "_experts_implementation", None),
+        "experts_type": type(model.model.layers[0].mlp.experts).__name__,
+        "loss": None if loss is None else loss.item(),
+        "weight_quantizers": counts["weight_quantizers"],
+        "input_quantizers": counts["input_quantizers"],
+        "expert_weight_quantizers": len(names),
+        "quantized_experts": sorted({n[: n.index(".experts.") + len(".experts")] for n in names}),
+    }
+
+
 PEERS = {
     "torchao": torchao_rows,
     "modelopt": modelopt_rows,
     "modelopt_auto_quantize": modelopt_auto_quantize_rows,
 }
+#: peers measuring something else than rows on the shared data: ``work(spec)`` returns their result
+STANDALONE = {"modelopt_moe_step": modelopt_moe_step}
 
 
 def versions(peer: str) -> dict[str, str]:
@@ -267,13 +333,15 @@ def versions(peer: str) -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--peer", choices=sorted(PEERS), required=True)
+    p.add_argument("--peer", choices=sorted([*PEERS, *STANDALONE]), required=True)
     p.add_argument("--spec", required=True)
     a = p.parse_args(argv)
 
     def work() -> dict[str, Any]:
         with open(a.spec) as f:
             spec = json.load(f)
+        if a.peer in STANDALONE:
+            return {"peer": a.peer, "versions": versions(a.peer), **STANDALONE[a.peer](spec)}
         run = Run(spec)
         for fmt in spec["formats"]:
             _log(f"{a.peer} {fmt}")

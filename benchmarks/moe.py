@@ -1,6 +1,7 @@
-"""QAT step time and calibration memory of fused MoE experts (NVFP4) on a medium Qwen3-MoE.
+"""QAT step time and calibration memory of fused MoE experts (NVFP4, FP8) on a medium Qwen3-MoE.
 
     OMP_NUM_THREADS=2 python benchmarks/moe.py [--repeats 5] [--threads 2] [--quick] [--json out.json]
+        [--reference-python PY] [--skip-memory]
 
 Model: ``Qwen3MoeForCausalLM`` from a config (hidden 512, intermediate 1024, moe_intermediate 256, 2
 layers, 8 heads / 4 KV heads, head_dim 64, 64 experts, top-8, vocab 4096), fp32, ``torch.manual_seed(0)``.
@@ -10,17 +11,27 @@ Inputs: random ``input_ids`` 4x128 from a fixed generator. Config: ``NVFP4_DEFAU
    time ``loss = model(ids, labels=ids).loss; loss.backward(); opt.step(); opt.zero_grad()`` for one
    warm-up step and ``--repeats`` steps. Paths: ours on ``grouped_mm``; the same with
    ``QuantExperts.reuse_weight_buffers = False`` (a fresh fake-quantized expert weight each step instead of
-   the buffer kept from step to step); -- to show the cost of fake quant -- the unquantized model on
-   transformers' own ``grouped_mm``; these three in one process, their steps interleaved (the order
-   rotating from step to step), so that the ratios compare steps taken under the same load. And, in a
-   fresh process of its own (about 10x slower), the quantized model forced to ``eager`` (the reference
-   library's only working path). Wall-clock seconds per step, and this process's CPU seconds (user +
-   system, which other processes on a shared machine disturb less).
-2. Calibration memory. In fresh processes (grouped_mm): build the model, run one plain unquantized forward
-   of a 4x128 batch under ``no_grad`` (so one-time allocations and activation-sized buffers exist before
-   the baseline), then reset the peak-RSS mark by writing ``5`` to ``/proc/self/clear_refs`` and take the
-   baseline = VmRSS (when the kernel refuses the reset, the baseline is VmHWM, the peak so far, which already
-   includes that forward). Then run the measured work over 8 batches of 4x128 and read the peak VmHWM:
+   the buffer kept from step to step); ours on ``grouped_mm`` with ``FP8_DEFAULT_CFG``; -- to show the cost
+   of fake quant -- the unquantized model on transformers' own ``grouped_mm``; these four in one process,
+   their steps interleaved (the order rotating from step to step), so that the ratios compare steps taken
+   under the same load. And, in a fresh process of its own (about 10x slower), the NVFP4 model forced to
+   ``eager`` (the reference library's only working path). Wall-clock seconds per step, and this process's
+   CPU seconds (user + system, which other processes on a shared machine disturb less).
+
+   With ``--reference-python PY`` (default ``$MODELOPT_REFERENCE_PYTHON``; without either, skipped):
+   nvidia-modelopt's own step, in a process of its own under ``PY`` (``_peer_worker.py --peer
+   modelopt_moe_step``): this model saved with ``save_pretrained`` and loaded there in fp32, ``mtq.quantize``
+   with its ``FP8_DEFAULT_CFG`` on the same 2 calibration batches (the reference forces fused experts to
+   transformers' ``eager`` and quantizes per expert; its NVFP4 fake quant needs CUDA, its FP8 one runs on
+   CPU), then the same AdamW step on the same ids, one warm-up and ``--repeats`` timed. Printed: reference /
+   our FP8 grouped_mm step, from the medians and from the mins (target >= 10x), next to our NVFP4 eager /
+   grouped_mm ratio. When the reference fails, its error is printed and no ratio is.
+2. Calibration memory (not with ``--skip-memory``). In fresh processes (grouped_mm): build the model, run
+   one plain unquantized forward of a 4x128 batch under ``no_grad`` (so one-time allocations and
+   activation-sized buffers exist before the baseline), then reset the peak-RSS mark by writing ``5`` to
+   ``/proc/self/clear_refs`` and take the baseline = VmRSS (when the kernel refuses the reset, the baseline
+   is VmHWM, the peak so far, which already includes that forward). Then run the measured work over 8
+   batches of 4x128 and read the peak VmHWM:
 
    * ``plain``: the unquantized model, 8 forwards under ``no_grad`` (activations only);
    * ``calib, pass-through``: ``mtq.quantize(...)`` with the default ``QuantExperts.weight_pass_through``;
@@ -53,13 +64,15 @@ import time
 import _harness as h
 
 BATCH, SEQ, VOCAB, CALIB_STEP, CALIB_MEM = 4, 128, 4096, 2, 8
-STEP_PATHS = ["baseline", "grouped_mm", "grouped_mm_fresh", "eager"]  # baseline: unquantized, transformers'
-INTERLEAVED = STEP_PATHS[:3]  # measured in one process, their steps interleaved
+# baseline: unquantized, transformers' grouped_mm; fp8_grouped_mm: ours with FP8_DEFAULT_CFG; others NVFP4
+STEP_PATHS = ["baseline", "grouped_mm", "grouped_mm_fresh", "fp8_grouped_mm", "eager"]
+INTERLEAVED = STEP_PATHS[:4]  # measured in one process, their steps interleaved
 STEP_CHILDREN = {"interleaved": INTERLEAVED, "eager": ["eager"]}
 MEM_MODES = ["plain", "pass", "nopass"]
 LABELS = {
     "baseline": "unquantized, transformers grouped_mm", "grouped_mm": "NVFP4, ours grouped_mm",
     "grouped_mm_fresh": "NVFP4, ours grouped_mm, no weight buffer reuse", "eager": "NVFP4, forced eager",
+    "fp8_grouped_mm": "FP8, ours grouped_mm", "reference": "FP8, nvidia-modelopt (forced eager, per expert)",
     "plain": "plain forward (no quantize)",
     "pass": "calibration, pass-through (default)", "nopass": "calibration, no pass-through",
 }  # fmt: skip
@@ -96,7 +109,8 @@ def _child_step(child: str, repeats: int) -> dict:
             model.set_experts_implementation("grouped_mm")
         else:
             impl = "eager" if path == "eager" else "grouped_mm"
-            mtq.quantize(model, mtq.get_preset("NVFP4_DEFAULT_CFG"), batches, impl)  # runs under no_grad
+            preset = "FP8_DEFAULT_CFG" if path.startswith("fp8") else "NVFP4_DEFAULT_CFG"
+            mtq.quantize(model, mtq.get_preset(preset), batches, impl)  # runs under no_grad
             for m in model.modules():
                 if isinstance(m, QuantExperts):
                     m.reuse_weight_buffers = path != "grouped_mm_fresh"
@@ -183,6 +197,98 @@ def _run_child(
     )
 
 
+def speedup(slow: dict, fast: dict) -> dict[str, float] | None:
+    """``slow`` / ``fast`` step time from the medians and from the mins (``median_s`` / ``min_s`` of
+    :func:`_harness.time_stats`), or None when either side failed (has an ``error``)."""
+    if "error" in slow or "error" in fast:
+        return None
+    return {"median": slow["median_s"] / fast["median_s"], "min": slow["min_s"] / fast["min_s"]}
+
+
+def speedup_line(what: str, ratio: dict[str, float] | None, target: float) -> str:
+    """One summary line: the ratio from the medians and the mins, and whether the median meets ``target``."""
+    if ratio is None:
+        return f"{what}: n/a (a side failed)"
+    verdict = "met" if ratio["median"] >= target else "NOT met"
+    return (
+        f"{what}: {ratio['median']:.2f}x from medians, {ratio['min']:.2f}x from mins "
+        f"(target >= {target:g}x: {verdict})"
+    )
+
+
+def _run_reference(python: str, threads: int, repeats: int, load_args: tuple[float, int, float]) -> dict:
+    """nvidia-modelopt's FP8 QAT step (``_peer_worker.py --peer modelopt_moe_step``) under ``python``, on
+    our benchmark model saved with ``save_pretrained`` and the same batches, in a process of its own (after
+    waiting for a quiet machine, rerun while disturbed, as our children)."""
+    import tempfile
+
+    import torch
+    from safetensors.torch import save_file
+
+    max_other, retries, max_wait = load_args
+    with tempfile.TemporaryDirectory(prefix="moe-bench-ref-") as tmp:
+        model, batches = _build(CALIB_STEP)
+        model.save_pretrained(os.path.join(tmp, "model"))
+        del model
+        data = os.path.join(tmp, "data.safetensors")
+        save_file({"calib": torch.stack(batches), "step": batches[0].contiguous()}, data)
+        spec = {"model_dir": os.path.join(tmp, "model"), "data": data, "preset": "FP8_DEFAULT_CFG"}
+        spec.update(lr=1e-5, repeats=repeats, threads=threads)
+        spec_path = os.path.join(tmp, "spec.json")
+        with open(spec_path, "w") as f:
+            json.dump(spec, f)
+        worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_peer_worker.py")
+        cmd = [python, worker, "--peer", "modelopt_moe_step", "--spec", spec_path]
+        env = h.child_env(threads, h.REPO_ROOT, keep_pythonpath=False)
+
+        def disturbed(res: dict, retrying: bool) -> None:
+            note = ", retrying" if retrying else ", kept (flagged loaded)"
+            print(
+                f"  step reference: disturbed (others {res['other_cores_busy']:.2f} cores){note}", flush=True
+            )
+
+        return h.run_child_when_quiet(
+            cmd, env, max_other=max_other, max_wait=max_wait, retries=retries, limit=400,
+            on_disturbed=disturbed,
+        )  # fmt: skip
+
+
+def _print_memory(mem: dict[str, dict], mmap_threshold: int, mem_repeats: int) -> tuple[int | None, dict]:
+    """The calibration-memory table and verdict; returns the expert weight bytes and the % added."""
+    print(f"\n### Peak memory of calibration ({CALIB_MEM} batches of {BATCH}x{SEQ}, grouped_mm)\n")
+    method = next((r["method"] for m in mem.values() for r in m["runs"]), "n/a")
+    print(
+        "peak increase = VmHWM after the work - baseline, the baseline taken after one plain warm-up forward "
+        f"(method: {method}); MALLOC_MMAP_THRESHOLD_={mmap_threshold or 'glibc default'}; median of "
+        f"{mem_repeats} fresh process(es); % = (increase - plain-forward increase) / expert weight bytes\n"
+    )
+    ebytes = next((r["expert_bytes"] for m in ("pass", "nopass") for r in mem[m]["runs"]), None)
+    emb = ebytes / 2**20 if ebytes else None
+    print(f"expert weights (all QuantExperts gate_up_proj + down_proj, fp32): {h.fmt_or_na(emb, '.1f')} MB\n")
+    print("| measurement | baseline RSS MB | peak increase MB | minus plain fwd MB | % of expert weights |")
+    print("|---|---|---|---|---|")
+    plain = mem["plain"].get("increase_mb")
+    adds: dict[str, float | None] = {}
+    for mode, m in mem.items():
+        if "error" in m:
+            print(f"| {LABELS[mode]} | n/a (reason: {m['error']}) | | | |")
+            continue
+        before = statistics.median(r["before_mb"] for r in m["runs"])
+        extra = m["increase_mb"] - plain if plain is not None and mode != "plain" else None
+        adds[mode] = 100 * extra / emb if extra is not None and emb else None
+        pct, extra_s = "-", "-"
+        if mode != "plain":
+            pct, extra_s = h.fmt_or_na(adds[mode], ".1f") + "%", h.fmt_or_na(extra, ".1f")
+        print(f"| {LABELS[mode]} | {before:.0f} | {m['increase_mb']:.1f} | {extra_s} | {pct} |")
+    if adds.get("pass") is not None:
+        verdict = "met" if adds["pass"] < 10 else "NOT met"
+        print(
+            f"\ncalibration adds {adds['pass']:.1f}% of the expert weights with pass-through (target < 10%: "
+            f"{verdict}), {h.fmt_or_na(adds.get('nopass'), '.1f')}% without"
+        )
+    return ebytes, adds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="MoE QAT step time and calibration memory (NVFP4)")
     parser.add_argument("--threads", type=int, default=2)
@@ -190,6 +296,12 @@ def main() -> None:
     parser.add_argument("--mem-repeats", type=int, default=3, help="memory runs per mode (median kept)")
     parser.add_argument("--quick", action="store_true", help="2 timed steps, 1 memory run per mode")
     parser.add_argument("--json", help="write the raw numbers here")
+    parser.add_argument(
+        "--reference-python", default=h.default_reference_python(),
+        help="python of a virtualenv with nvidia-modelopt: times its FP8 QAT step (default "
+        f"${h.REFERENCE_PYTHON_ENV}; without either, skipped)",
+    )  # fmt: skip
+    parser.add_argument("--skip-memory", action="store_true", help="only the QAT step times")
     parser.add_argument("--max-other-load", type=float, default=0.25)
     parser.add_argument("--retries", type=int, default=2, help="reruns of a disturbed child")
     parser.add_argument("--max-wait", type=float, default=600, help="s to wait for a quiet machine per run")
@@ -207,7 +319,8 @@ def main() -> None:
     repeats = 2 if args.quick else args.repeats
     mem_repeats = 1 if args.quick else args.mem_repeats
     print(
-        "Qwen3-MoE (hidden 512, moe_intermediate 256, 64 experts, top-8, 2 layers), fp32, NVFP4_DEFAULT_CFG, "
+        "Qwen3-MoE (hidden 512, moe_intermediate 256, 64 experts, top-8, 2 layers), fp32, NVFP4_DEFAULT_CFG "
+        "(and FP8_DEFAULT_CFG), "
         f"batch {BATCH}x{SEQ}; threads {args.threads}; {repeats} timed QAT steps after 1 warm-up; the "
         "grouped_mm paths and the unquantized one interleaved in one process; eager and each memory run in a "
         "fresh process", flush=True,
@@ -226,9 +339,28 @@ def main() -> None:
             times = ", ".join(f"{t:.3f}" for t in one["times"])
             busy = res["other_cores_busy"]
             print(f"  step {path}: {times} s ({one['impl']}; {child}, others {busy:.2f})", flush=True)
+    reference = None
+    if args.reference_python:
+        reference = _run_reference(args.reference_python, args.threads, repeats, load_args)
+        if "error" in reference:
+            print(f"  step reference: cannot run: {reference['error']}", flush=True)
+        else:
+            reference.update(
+                h.time_stats(reference["times"]), cpu_median_s=statistics.median(reference["cpu_s"])
+            )
+            times = ", ".join(f"{t:.3f}" for t in reference["times"])
+            ver = reference["versions"]
+            print(
+                f"  step reference: {times} s ({reference['impl']}, {reference['experts_type']}; modelopt "
+                f"{ver.get('modelopt_moe_step')}, transformers {ver.get('transformers')}; "
+                f"others {reference['other_cores_busy']:.2f})", flush=True,
+            )  # fmt: skip
+        steps["reference"] = reference
+    else:
+        print(f"  step reference: skipped ({h.no_reference_python()})", flush=True)
     mem: dict[str, dict] = {}
     mem_env = {"MALLOC_MMAP_THRESHOLD_": str(args.mmap_threshold)} if args.mmap_threshold else {}
-    for mode in MEM_MODES:  # peak memory does not depend on load: no retries
+    for mode in [] if args.skip_memory else MEM_MODES:  # peak memory does not depend on load: no retries
         mem[mode] = {"runs": []}
         for _ in range(mem_repeats):
             res = _run_child("mem", mode, args.threads, 0, float("inf"), 0, **mem_env)
@@ -257,63 +389,42 @@ def main() -> None:
         med = f"{res['median_s']:.3f}" + (" (loaded)" if res["loaded"] else "")
         cpu = f"{res['cpu_median_s']:.3f}, {cpu_vs}"
         print(f"| {LABELS[path]} | `{res['impl']}` | {med} | {res['min_s']:.3f} | {vs} | {cpu} |")
-    print(f"\n(the first {len(INTERLEAVED)} rows: one process, steps interleaved; eager: its own process)")
+    print(
+        f"\n(the first {len(INTERLEAVED)} rows: one process, steps interleaved; eager and the reference: "
+        "each in its own process)"
+    )
     if "error" not in base and "error" not in steps["grouped_mm"]:
         r = steps["grouped_mm"]["median_s"] / base["median_s"]
         verdict = "met" if r <= 1.3 else "NOT met"
         print(f"quantized grouped_mm step / unquantized: {r:.2f}x from medians (target <= 1.3x: {verdict})")
-    g, e = steps["grouped_mm"], steps["eager"]
-    speedup = None
-    if "error" not in g and "error" not in e:
-        speedup = {"median": e["median_s"] / g["median_s"], "min": e["min_s"] / g["min_s"]}
-        verdict = "met" if speedup["median"] >= 10 else "NOT met"
-        print(
-            f"\nspeed-up eager / grouped_mm: {speedup['median']:.2f}x from medians, {speedup['min']:.2f}x "
-            f"from mins (target >= 10x: {verdict})"
-        )
+    nvfp4_speedup = speedup(steps["eager"], steps["grouped_mm"])
+    print("\n" + speedup_line("NVFP4 speed-up, our forced eager / our grouped_mm", nvfp4_speedup, 10))
+    ref_speedup = None
+    if reference is not None:
+        ref_speedup = speedup(reference, steps["fp8_grouped_mm"])
+        print(speedup_line("FP8 speed-up, nvidia-modelopt (forced eager) / our grouped_mm", ref_speedup, 10))
+        if "error" not in reference:
+            print(
+                f"(reference: {reference['weight_quantizers']} enabled weight quantizers, of which "
+                f"{reference['expert_weight_quantizers']} per expert, and {reference['input_quantizers']} "
+                f"input quantizers; quantized experts: {', '.join(reference['quantized_experts']) or 'none'})"
+            )
 
-    print(f"\n### Peak memory of calibration ({CALIB_MEM} batches of {BATCH}x{SEQ}, grouped_mm)\n")
-    method = next((r["method"] for m in mem.values() for r in m["runs"]), "n/a")
-    print(
-        "peak increase = VmHWM after the work - baseline, the baseline taken after one plain warm-up forward "
-        f"(method: {method}); MALLOC_MMAP_THRESHOLD_={args.mmap_threshold or 'glibc default'}; median of "
-        f"{mem_repeats} fresh process(es); % = (increase - plain-forward increase) / expert weight bytes\n"
-    )
-    ebytes = next((r["expert_bytes"] for m in ("pass", "nopass") for r in mem[m]["runs"]), None)
-    emb = ebytes / 2**20 if ebytes else None
-    print(f"expert weights (all QuantExperts gate_up_proj + down_proj, fp32): {h.fmt_or_na(emb, '.1f')} MB\n")
-    print("| measurement | baseline RSS MB | peak increase MB | minus plain fwd MB | % of expert weights |")
-    print("|---|---|---|---|---|")
-    plain = mem["plain"].get("increase_mb")
-    adds: dict[str, float | None] = {}
-    for mode, m in mem.items():
-        if "error" in m:
-            print(f"| {LABELS[mode]} | n/a (reason: {m['error']}) | | | |")
-            continue
-        before = statistics.median(r["before_mb"] for r in m["runs"])
-        extra = m["increase_mb"] - plain if plain is not None and mode != "plain" else None
-        adds[mode] = 100 * extra / emb if extra is not None and emb else None
-        pct, extra_s = "-", "-"
-        if mode != "plain":
-            pct, extra_s = h.fmt_or_na(adds[mode], ".1f") + "%", h.fmt_or_na(extra, ".1f")
-        print(f"| {LABELS[mode]} | {before:.0f} | {m['increase_mb']:.1f} | {extra_s} | {pct} |")
-    if adds.get("pass") is not None:
-        verdict = "met" if adds["pass"] < 10 else "NOT met"
-        print(
-            f"\ncalibration adds {adds['pass']:.1f}% of the expert weights with pass-through (target < 10%: "
-            f"{verdict}), {h.fmt_or_na(adds.get('nopass'), '.1f')}% without"
-        )
+    ebytes, adds = None, {}
+    if not args.skip_memory:
+        ebytes, adds = _print_memory(mem, args.mmap_threshold, mem_repeats)
     loaded = [p for p, r in steps.items() if r.get("loaded")]
     if loaded:
         print(f"\nwarning: still disturbed by other processes after retries: {', '.join(loaded)} (inflated)")
     for name, res in [*steps.items(), *mem.items()]:
-        if "error" in res:
+        if res is not None and "error" in res:
             print(f"\n{name} failed:\n{res.get('traceback') or res['error']}")
     if args.json:
         with open(args.json, "w") as f:
             meta = {"threads": args.threads, "repeats": repeats, "mem_repeats": mem_repeats}
             meta.update(mmap_threshold=args.mmap_threshold, expert_bytes=ebytes, adds_pct=adds)
-            json.dump({**meta, "steps": steps, "speedup": speedup, "memory": mem}, f, indent=1)
+            ratios = {"speedup": nvfp4_speedup, "reference_fp8_speedup": ref_speedup}
+            json.dump({**meta, "steps": steps, **ratios, "memory": mem}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ __all__ = [
     "dispatch_fake_quant",
     "fake_quant",
     "fake_quant_reference",
+    "out_supported",
     "reduce_amax",
     "reduce_axes",
     "reduce_like_amax",
@@ -106,18 +107,37 @@ def _static_nvfp4(
     return nvfp4_static_fake_quant(x, amax, global_amax, spec.nvfp4_fp8_max, spec.block_axes[0][1])
 
 
+def out_supported(x: torch.Tensor, spec: FormatSpec) -> bool:
+    """Whether :func:`fake_quant_reference` writes its result for ``x`` into a given ``out`` (a contiguous
+    float32 CPU tensor shaped like ``x``, returned as is when ``x`` is float32): INT / FP8 per tensor or with
+    one amax per row of a contiguous input, and NVFP4 (dynamic block scales) whose last axis splits into
+    whole blocks. Elsewhere ``out`` is ignored and a new tensor is returned."""
+    if x.device.type != "cpu" or not x.is_contiguous() or spec.static_nvfp4 or spec.kind == "mx":
+        return False
+    if spec.kind == "nvfp4":
+        return x.ndim > 0 and x.shape[-1] % spec.block_axes[0][1] == 0
+    return not spec.block_axes and (spec.axis is None or spec.axis in (0, -x.ndim))
+
+
 def fake_quant_reference(
     x: torch.Tensor,
     spec: FormatSpec,
     amax: torch.Tensor | None = None,
     global_amax: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The pure-PyTorch reference (any device, no autograd handling). ``global_amax``: static NVFP4's
-    per-tensor amax (``None``: the largest block amax)."""
+    per-tensor amax (``None``: the largest block amax). ``out``: a contiguous float32 tensor shaped like
+    ``x`` to write the float32 result into where :func:`out_supported` says so (same arithmetic; e.g. a buffer
+    kept from step to step) and, for a float32 ``x``, return itself (not a view of it: the output of an
+    autograd function may then be modified in place); ignored elsewhere."""
+    if out is not None and not out_supported(x, spec):
+        out = None
     if spec.static_nvfp4:
         return _static_nvfp4(x, spec, amax, global_amax)
     if spec.kind == "nvfp4":
-        return nvfp4_fake_quant(x, amax, spec.block_axes[0][1])
+        res = nvfp4_fake_quant(x, amax, spec.block_axes[0][1], out=out)
+        return out if out is not None and x.dtype == torch.float32 else res  # ``out`` holds res
     if spec.kind == "mx":
         return mx_fake_quant(x, spec.num_bits, spec.block_axes[0][1])
     if spec.kind == "int":
@@ -132,7 +152,9 @@ def fake_quant_reference(
             apply, params = _prepared(spec, amax, x.device)
             return apply(x, None, *params).to(x.dtype)
         apply, params = _prepared(spec, rows[1], x.device)
-        return map_rows(apply, rows[0], *params).view(x.shape).to(x.dtype)
+        into = None if out is None else out.view(rows[0].shape)
+        res = map_rows(apply, rows[0], *params, out=into).view(x.shape).to(x.dtype)
+        return out if out is not None and x.dtype == torch.float32 else res  # ``out`` itself, not a view
     layout = BlockLayout.build(x.shape, spec.block_sizes)
     blocks = layout.split(x)
     if spec.dynamic:
@@ -149,25 +171,29 @@ def fake_quant_reference(
 
 
 def dispatch_fake_quant(
-    x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None, global_amax: torch.Tensor | None = None
+    x: torch.Tensor,
+    spec: FormatSpec,
+    amax: torch.Tensor | None,
+    global_amax: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Fake quant without autograd: the Triton kernel on CUDA where it applies, the fused (compiled) kernel
-    of :mod:`.fused` on CPU where it applies, else the reference."""
+    of :mod:`.fused` on CPU where it applies, else the reference (into ``out`` where it supports one)."""
     if spec.dynamic and not spec.block_axes and spec.kind in ("int", "fp8"):
         amax = reduce_amax(x, spec)  # dynamic per tensor / per axis: this input's own amax
     if x.is_cuda:
         from . import triton_kernels
 
-        out = triton_kernels.try_fake_quant(x, spec, amax)
-        if out is not None:
-            return out
+        res = triton_kernels.try_fake_quant(x, spec, amax)
+        if res is not None:
+            return res
     else:
-        out = fused.try_fused_fake_quant(
+        res = fused.try_fused_fake_quant(
             x, spec, amax, global_amax, lambda: fake_quant_reference(x, spec, amax, global_amax)
         )
-        if out is not None:
-            return out
-    return fake_quant_reference(x, spec, amax, global_amax)
+        if res is not None:
+            return res
+    return fake_quant_reference(x, spec, amax, global_amax, out)
 
 
 def broadcast_amax(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor) -> torch.Tensor:
@@ -191,19 +217,26 @@ class _FakeQuantSTE(torch.autograd.Function):
     """Fake quantization forward; straight-through backward (identity, or zero where |x| > amax)."""
 
     @staticmethod
-    def forward(ctx, x, spec, amax, clip_amax, global_amax):  # type: ignore[override]
+    def forward(ctx, x, spec, amax, clip_amax, global_amax, out):  # type: ignore[override]
         if clip_amax is not None:
             ctx.save_for_backward(x, clip_amax)
         ctx.clip = clip_amax is not None
-        return dispatch_fake_quant(x, spec, amax, global_amax)
+        res = dispatch_fake_quant(x, spec, amax, global_amax, out)
+        if out is not None and res is out:
+            # a new tensor on out's memory: autograd turns an argument returned as it is into a view, which
+            # callers could not modify in place
+            res = torch.empty(0, dtype=out.dtype, device=out.device).set_(
+                out.untyped_storage(), out.storage_offset(), out.shape, out.stride()
+            )
+        return res
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
         if not ctx.clip:
-            return grad_out, None, None, None, None
+            return grad_out, None, None, None, None, None
         x, clip_amax = ctx.saved_tensors
         inside = x.abs() <= clip_amax.to(x.dtype)
-        return grad_out * inside, None, None, None, None
+        return grad_out * inside, None, None, None, None, None
 
 
 def fake_quant(
@@ -212,14 +245,18 @@ def fake_quant(
     amax: torch.Tensor | None = None,
     clip_gradient: bool = False,
     global_amax: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Fake-quantize ``x`` (same dtype and shape out) with a straight-through-estimator backward.
 
     ``clip_gradient=True`` zeroes the gradient where ``|x| > amax`` (the calibrated amax: per tensor, per
     channel, per static block, or NVFP4's global amax); a dynamic amax never clips. ``global_amax``: the
-    per-tensor amax of static NVFP4 (whose ``amax`` is per block).
+    per-tensor amax of static NVFP4 (whose ``amax`` is per block). ``out``: a contiguous float32 tensor
+    shaped like ``x`` that the eager CPU formulas write the result into where :func:`out_supported` says
+    so (a float32 ``x`` then gets a view of it back), e.g. a buffer kept from step to step; nothing the
+    backward needs is kept in it (the straight-through backward saves the input, and only when clipped).
     """
     clip_amax = _clip_amax(x, spec, amax) if clip_gradient and x.requires_grad else None
     if not torch.is_grad_enabled() or not x.requires_grad:
-        return dispatch_fake_quant(x, spec, amax, global_amax)
-    return _FakeQuantSTE.apply(x, spec, amax, clip_amax, global_amax)
+        return dispatch_fake_quant(x, spec, amax, global_amax, out)
+    return _FakeQuantSTE.apply(x, spec, amax, clip_amax, global_amax, out)

@@ -14,7 +14,15 @@ from torch import nn
 if TYPE_CHECKING:
     from .quantizer_attributes import QuantizerAttributes
 
-__all__ = ["QuantizerBuffers"]
+__all__ = ["QuantizerBuffers", "storage_refs"]
+
+
+def storage_refs(t: torch.Tensor) -> int | None:
+    """References to ``t``'s storage (tensors and views sharing it, autograd's saved copies included);
+    ``None`` where this PyTorch has no way to tell."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    return None if use_count is None else int(use_count(t.untyped_storage()._cdata))
+
 
 _OPTIONAL_BUFFERS = ("_amax", "_pre_quant_scale", "_global_amax", "_bias_value")
 
@@ -121,6 +129,40 @@ class QuantizerBuffers(nn.Module):
         if value is not None and not bool(torch.isfinite(value).all()):
             raise ValueError(f"{self.name}: bias_value has NaN / inf values")
         self._bias_value = value
+
+    #: Keep the fake-quant output buffer from step to step while training (see :meth:`output_buffer`).
+    #: Only ``benchmarks`` / tests turn this off, to measure or check what it changes.
+    reuse_output_buffer: bool = True
+
+    def output_buffer(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The float32 tensor this quantizer's fake quant of ``x`` is written into, kept on the module from
+        one training step to the next; ``None`` (a fresh output each call) unless the module is training
+        with grad enabled and ``x`` is a float32, contiguous CPU tensor (no subclass) that needs a gradient.
+
+        A fresh output each step comes from the allocator as memory that glibc may have handed back to the
+        kernel (outputs above its mmap threshold, freed space above its trim threshold at the heap's top)
+        and is then page-faulted in while written. Kept, it is written in place. It is reused only when
+        nothing else references its memory any more (the previous step's graph was freed: its backward
+        ran, or it was dropped; a caller that kept the output keeps its own copy of the memory); otherwise
+        a new one replaces it. Memory: one output per quantizer stays allocated between steps (in training
+        each output lives until the backward anyway). Released by a call outside training (``eval()`` or
+        ``no_grad``). The same policy as the MoE experts' weight buffers."""
+        if not (
+            self.reuse_output_buffer and self.training and torch.is_grad_enabled() and x.requires_grad
+            and x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous()
+            and type(x) in (torch.Tensor, nn.Parameter)  # no tensor subclass (DTensor, ...)
+        ):  # fmt: skip
+            self.__dict__.pop("_output_buffer", None)
+            return None
+        held = self.__dict__.get("_output_buffer")
+        if held is None or held[0].shape != x.shape or storage_refs(held[0]) != held[1]:
+            buf = torch.empty(x.shape, dtype=torch.float32)
+            refs = storage_refs(buf)
+            if refs is None:
+                self.__dict__.pop("_output_buffer", None)
+                return None
+            held = self.__dict__["_output_buffer"] = (buf, refs)
+        return held[0]
 
     def _apply(self, fn, recurse=True):  # type: ignore[override]
         # amax and pre_quant_scale stay float32 under model.to(bfloat16) / .half(): a rounded amax would

@@ -18,6 +18,7 @@ from ..formats import (
     fake_quant_learnable,
     hadamard_transform,
 )
+from ..formats.functional import out_supported
 from .calibrators import BiasCalibrator, Calibrator, bias_settings, make_calibrator
 from .quantizer_attributes import QuantizerAttributes
 from .quantizer_buffers import QuantizerBuffers
@@ -305,7 +306,8 @@ class TensorQuantizer(QuantizerBuffers):
                 out = fake_quant_learnable(x, self._spec, self._amax)
             else:
                 clip = self._attrs.backward == "clipped"
-                out = fake_quant(x, self._spec, self._amax, clip, self._global_amax)
+                buf = self.output_buffer(x) if bias is None and out_supported(x, self._spec) else None
+                out = fake_quant(x, self._spec, self._amax, clip, self._global_amax, buf)
         except ValueError as err:
             raise ValueError(f"{self.name}: {err}") from None
         return out if bias is None else out + bias

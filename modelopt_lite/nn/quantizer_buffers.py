@@ -137,7 +137,8 @@ class QuantizerBuffers(nn.Module):
     def output_buffer(self, x: torch.Tensor) -> torch.Tensor | None:
         """The float32 tensor this quantizer's fake quant of ``x`` is written into, kept on the module from
         one training step to the next; ``None`` (a fresh output each call) unless the module is training
-        with grad enabled and ``x`` is a float32, contiguous CPU tensor (no subclass) that needs a gradient.
+        with grad enabled and ``x`` is a float32, contiguous CPU tensor (no subclass) that needs a gradient,
+        outside ``torch.compile`` tracing.
 
         A fresh output each step comes from the allocator as memory that glibc may have handed back to the
         kernel (outputs above its mmap threshold, freed space above its trim threshold at the heap's top)
@@ -151,6 +152,7 @@ class QuantizerBuffers(nn.Module):
             self.reuse_output_buffer and self.training and torch.is_grad_enabled() and x.requires_grad
             and x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous()
             and type(x) in (torch.Tensor, nn.Parameter)  # no tensor subclass (DTensor, ...)
+            and not torch.compiler.is_compiling()  # a traced graph gets no reference counts
         ):  # fmt: skip
             self.__dict__.pop("_output_buffer", None)
             return None

@@ -102,3 +102,12 @@ def test_the_output_can_be_modified_in_place(kind):
         out.sum().backward()
         del out
     assert torch.equal(x.grad, torch.full_like(x, 4.0))
+
+
+def test_no_buffer_while_torch_compile_traces(monkeypatch):
+    x = torch.randn(32, 64, requires_grad=True)
+    q = _quantizer("fp8", x.detach(), True)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert q.output_buffer(x) is None
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    assert q.output_buffer(x) is not None

@@ -213,6 +213,15 @@ def _clip_amax(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None):
     return broadcast_amax(x, spec, amax.detach())
 
 
+def alias_of(t: torch.Tensor) -> torch.Tensor:
+    """A new tensor on ``t``'s memory (same offset, shape and strides), for an autograd Function whose result
+    lies in a buffer it was given: autograd turns an argument returned as it is (or a view of one) into a
+    view, which callers could not modify in place."""
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+        t.untyped_storage(), t.storage_offset(), t.shape, t.stride()
+    )
+
+
 class _FakeQuantSTE(torch.autograd.Function):
     """Fake quantization forward; straight-through backward (identity, or zero where |x| > amax)."""
 
@@ -222,13 +231,7 @@ class _FakeQuantSTE(torch.autograd.Function):
             ctx.save_for_backward(x, clip_amax)
         ctx.clip = clip_amax is not None
         res = dispatch_fake_quant(x, spec, amax, global_amax, out)
-        if out is not None and res is out:
-            # a new tensor on out's memory: autograd turns an argument returned as it is into a view, which
-            # callers could not modify in place
-            res = torch.empty(0, dtype=out.dtype, device=out.device).set_(
-                out.untyped_storage(), out.storage_offset(), out.shape, out.stride()
-            )
-        return res
+        return alias_of(out) if out is not None and res is out else res
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]

@@ -28,9 +28,11 @@ from torch import nn
 from transformers.integrations.moe import grouped_mm_experts_forward
 
 from ..formats import fake_quant, nvfp4_fake_quant
+from ..formats.functional import alias_of
 from ..formats.fused import fused_fake_quant_enabled
 from ..nn import QUANT_MODULES, QuantModule, TensorQuantizer
 from ..nn.quant_module import Quantizer
+from ..nn.quantizer_buffers import storage_refs
 
 __all__ = [
     "EXPERTS_IMPLEMENTATIONS",
@@ -75,13 +77,6 @@ class _QuantizedView:
         return getattr(self._module, name)
 
 
-def _storage_refs(t: torch.Tensor) -> int | None:
-    """References to ``t``'s storage (tensors and views sharing it, autograd's saved copies included);
-    ``None`` where this PyTorch has no way to tell."""
-    use_count = getattr(torch._C, "_storage_Use_Count", None)
-    return None if use_count is None else int(use_count(t.untyped_storage()._cdata))
-
-
 class _NVFP4IntoBuffer(torch.autograd.Function):
     """``nvfp4_fake_quant(x, amax, block, out=out)`` with the straight-through backward of
     :func:`~modelopt_lite.formats.fake_quant` (identity, or zero where ``|x| > amax`` when clipped). Saves
@@ -92,7 +87,8 @@ class _NVFP4IntoBuffer(torch.autograd.Function):
         ctx.clip = clip
         if clip:
             ctx.save_for_backward(x, amax)
-        return nvfp4_fake_quant(x, amax, block, out=out)
+        res = nvfp4_fake_quant(x, amax, block, out=out)
+        return res if out is None else alias_of(res)  # res lies in out's memory (a view of it, maybe)
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
@@ -234,10 +230,10 @@ class QuantExperts(QuantModule):
         held = cache.get(proj)
         if held is not None:
             buf, refs = held
-            if buf.shape == weight.shape and buf.device == weight.device and _storage_refs(buf) == refs:
+            if buf.shape == weight.shape and buf.device == weight.device and storage_refs(buf) == refs:
                 return buf
         buf = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
-        refs = _storage_refs(buf)
+        refs = storage_refs(buf)
         if refs is None:
             cache.pop(proj, None)
             return None

@@ -110,3 +110,17 @@ def test_the_opt_in_fused_path_keeps_the_buffer_for_a_batch_of_experts(monkeypat
         for proj in experts._projections:
             _check_against_loop(experts, proj)
     assert set(_buffers(experts)) == set(experts._projections)
+
+
+def test_the_buffered_weight_can_be_modified_in_place():
+    # a view of the kept buffer returned by the autograd function could not be (autograd forbids it)
+    experts = _experts("qwen3_moe", "nvfp4", torch.float32, "pass_through").train()
+    proj = experts._projections[0]
+    for _ in range(2):
+        out = experts.quantized_weight(proj)
+        assert out._base is None
+        assert out.untyped_storage().data_ptr() == _buffers(experts)[proj]
+        out.mul_(2)
+        out.sum().backward()
+        del out
+    assert torch.equal(getattr(experts, proj).grad, torch.full_like(getattr(experts, proj), 4.0))

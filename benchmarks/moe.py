@@ -247,10 +247,13 @@ def _run_reference(python: str, threads: int, repeats: int, load_args: tuple[flo
                 f"  step reference: disturbed (others {res['other_cores_busy']:.2f} cores){note}", flush=True
             )
 
-        return h.run_child_when_quiet(
-            cmd, env, max_other=max_other, max_wait=max_wait, retries=retries, limit=400,
-            on_disturbed=disturbed,
-        )  # fmt: skip
+        try:
+            return h.run_child_when_quiet(
+                cmd, env, max_other=max_other, max_wait=max_wait, retries=retries, limit=400,
+                on_disturbed=disturbed,
+            )  # fmt: skip
+        except OSError as err:  # no such interpreter, not executable
+            return h.error_result(err, limit=400)
 
 
 def _print_memory(mem: dict[str, dict], mmap_threshold: int, mem_repeats: int) -> tuple[int | None, dict]:

@@ -25,6 +25,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 #: The repository root, for the children's ``PYTHONPATH`` (they may run from another working directory).
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -86,6 +87,19 @@ class CpuMark:
         if busy is None or self.busy is None:
             return seconds, float("nan")
         return seconds, max(0.0, (busy - self.busy - (own - self.own)) / seconds)
+
+
+def timed_train_step(model: Any, opt: Any, ids: Any) -> tuple[float, float, float, float]:
+    """One causal-LM training step on ``ids`` (labels = ids): forward, backward, ``opt.step()``,
+    ``opt.zero_grad()``. Returns (wall seconds, cores other processes kept busy meanwhile, this process's CPU
+    seconds, the loss)."""
+    start = CpuMark.now()
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    seconds, others = start.since()
+    return seconds, others, time.process_time() - start.own, loss.item()
 
 
 def wait_quiet(max_other: float, max_wait: float) -> None:

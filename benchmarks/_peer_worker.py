@@ -289,15 +289,10 @@ def modelopt_moe_step(spec: dict[str, Any]) -> dict[str, Any]:
     loads: list[float] = []
     loss = None
     for i in range(spec["repeats"] + 1):
-        start = h.CpuMark.now()
-        loss = model(ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        seconds, others = start.since()
+        seconds, others, cpu, loss = h.timed_train_step(model, opt, ids)
         if i:  # step 0 is the warm-up
             times.append(seconds)
-            cpu_s.append(time.process_time() - start.own)
+            cpu_s.append(cpu)
             loads.append(others)
         _log(f"  reference step {i}: {seconds:.3f} s")
     return {
@@ -306,7 +301,7 @@ def modelopt_moe_step(spec: dict[str, Any]) -> dict[str, Any]:
         "other_cores_busy": statistics.median(loads) if loads else 0.0,
         "impl": getattr(model.config, "_experts_implementation", None),
         "experts_type": type(model.model.layers[0].mlp.experts).__name__,
-        "loss": None if loss is None else loss.item(),
+        "loss": loss,
         "weight_quantizers": counts["weight_quantizers"],
         "input_quantizers": counts["input_quantizers"],
         "expert_weight_quantizers": len(names),

@@ -59,7 +59,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import _harness as h
 
@@ -121,18 +120,12 @@ def _child_step(child: str, repeats: int) -> dict:
     for i in range(repeats + 1):
         for path in paths[i % len(paths) :] + paths[: i % len(paths)]:  # who goes first rotates
             model, opt = runs[path]
-            start = h.CpuMark.now()
-            loss = model(ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            seconds, others = start.since()
-            cpu = time.process_time() - start.own
+            seconds, others, cpu, loss = h.timed_train_step(model, opt, ids)
             if i:  # step 0 is the warm-up
                 out[path]["times"].append(seconds)
                 out[path]["cpu_s"].append(cpu)
                 loads.append(others)
-            out[path].update(impl=model.config._experts_implementation, loss=loss.item())
+            out[path].update(impl=model.config._experts_implementation, loss=loss)
     return {"paths": out, "other_cores_busy": statistics.median(loads)}
 
 

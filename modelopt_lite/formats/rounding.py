@@ -98,7 +98,7 @@ def e2m1_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 def e2m1_index(a: torch.Tensor) -> torch.Tensor:
     """Index into :data:`E2M1_VALUES` of the rounded non-negative float32 ``a`` (int64)."""
     boundaries, _ = e2m1_tables(a.device)
-    return torch.bucketize(a, boundaries)
+    return torch.bucketize(a.contiguous(), boundaries)  # (it copies a strided input anyway, with a warning)
 
 
 def e2m1_round(a: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -283,3 +283,17 @@ def test_fast_e2m1_rounding_and_nvfp4_block_scales_equal_the_plain_formulas():
     s = s.masked_fill(s == 0, 1.0).clamp(2.0**-9, 448.0)  # the block scale before its FP8 cast
     cast = s.to(torch.float8_e4m3fn).float()
     assert torch.equal(nvfp4_block_scales(a, s2).nan_to_num(-1.0), cast.nan_to_num(-1.0))
+
+
+def test_e2m1_rounding_of_a_transposed_tensor_is_silent_and_the_same():
+    # transposed expert weights (GPT-OSS) reach the E2M1 rounding strided: same codes, no UserWarning
+    import warnings
+
+    from modelopt_lite.formats.rounding import e2m1_index
+
+    a = (torch.rand(64, 48, generator=torch.Generator().manual_seed(0)) * 7).t()
+    assert not a.is_contiguous()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = e2m1_index(a)
+    assert torch.equal(got, e2m1_index(a.contiguous()))

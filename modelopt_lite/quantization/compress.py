@@ -44,19 +44,21 @@ from .compressed import (
     _TENSORS,
     KERNELS,
     W8A8_TOLERANCE,
-    CompressedExperts,
     CompressedLinear,
-    _compress_experts,
     _compress_layer,
     _convert,
-    _convert_experts,
-    _expert_names,
-    _experts_plan,
     fast_int8_gemm,
-    packed_experts,
     packed_linear,
     require_torchao,
     use_int8_gemm,
+)
+from .compressed_experts import (
+    CompressedExperts,
+    _compress_experts,
+    _convert_experts,
+    _expert_names,
+    _experts_plan,
+    packed_experts,
 )
 from .config_models import CompressConfig
 from .packers import UnsupportedFormatError, get_packer, linear_format

@@ -88,6 +88,19 @@ def tiny_llama4(seed: int = 0):
     return Llama4ForCausalLM(cfg).eval()
 
 
+def tiny_gpt_oss(seed: int = 0):
+    """GPT-OSS: transposed ``(experts, in, out)`` expert storage, biases, interleaved gate / up rows."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = GptOssConfig(
+        hidden_size=64, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, vocab_size=VOCAB,
+        max_position_embeddings=64, sliding_window=16, layer_types=["full_attention"],
+    )  # fmt: skip
+    return GptOssForCausalLM(cfg).eval()
+
+
 def tiny_gpt2(seed: int = 0, attn: str = "sdpa"):
     torch.manual_seed(seed)
     cfg = GPT2Config(

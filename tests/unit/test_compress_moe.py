@@ -11,7 +11,6 @@ import logging
 
 import pytest
 import torch
-from transformers import GptOssConfig, GptOssForCausalLM
 
 import modelopt_lite.quantization as mtq
 from modelopt_lite.moe import QuantExperts
@@ -20,7 +19,7 @@ from modelopt_lite.quantization.compress import CompressedExperts, compressed_la
 from modelopt_lite.quantization.packers import UnsupportedFormatError, get_packer
 
 from ._export_cases import FORMATS, quantized
-from ._models import VOCAB, batches, tiny_llama4, tiny_qwen3_moe
+from ._models import VOCAB, batches, tiny_gpt_oss, tiny_llama4, tiny_qwen3_moe
 from ._training import CountingData, cpu_args
 
 pytest.importorskip("torchao", reason="mtq.compress needs the torchao extra")
@@ -29,21 +28,10 @@ LOGGER = "modelopt_lite.quantization.compress"
 BACKENDS = ("grouped_mm", "eager")
 
 
-def _tiny_gpt_oss(seed: int = 0) -> GptOssForCausalLM:
-    """Transposed ``(experts, in, out)`` storage, biases, interleaved gate / up rows."""
-    torch.manual_seed(seed)
-    cfg = GptOssConfig(
-        hidden_size=64, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, vocab_size=VOCAB,
-        max_position_embeddings=64, sliding_window=16, layer_types=["full_attention"],
-    )  # fmt: skip
-    return GptOssForCausalLM(cfg).eval()
-
-
 def _quantized(family: str, preset: str) -> torch.nn.Module:
     if family == "qwen3_moe":
         return quantized("qwen3_moe", preset)
-    build = {"gpt_oss": _tiny_gpt_oss, "llama4": tiny_llama4}[family]
+    build = {"gpt_oss": tiny_gpt_oss, "llama4": tiny_llama4}[family]
     return mtq.quantize(build(), mtq.get_preset(preset), batches(n=1))
 
 

@@ -4,33 +4,22 @@ quantizers cannot be batched."""
 
 import pytest
 import torch
-from transformers import GptOssConfig, GptOssForCausalLM
 
 import modelopt_lite.quantization as mtq
 from modelopt_lite.formats import nvfp4_fake_quant
 from modelopt_lite.moe import QuantExperts
 from modelopt_lite.moe.experts import _batched_fake_quant
 
-from ._models import VOCAB, batches, tiny_qwen3_moe
+from ._models import batches, tiny_gpt_oss, tiny_qwen3_moe
 
 PRESETS = {"nvfp4": "NVFP4_DEFAULT_CFG", "fp8": "FP8_DEFAULT_CFG", "int8": "FP8_DEFAULT_CFG"}
-
-
-def _tiny_gpt_oss() -> GptOssForCausalLM:  # transposed (in, out) expert storage
-    torch.manual_seed(0)
-    cfg = GptOssConfig(
-        hidden_size=64, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, vocab_size=VOCAB,
-        max_position_embeddings=64, sliding_window=16, layer_types=["full_attention"],
-    )  # fmt: skip
-    return GptOssForCausalLM(cfg).eval()
 
 
 def _experts(family: str, fmt: str, dtype: torch.dtype, backward: str) -> QuantExperts:
     """The first experts module, quantized, with a different amax per expert: expert 1's is zero, the
     others clip their weight at 50%, 100%, 125% of its own max (so a broadcast along the wrong axis, or
     the experts' amax in the wrong order, changes the result)."""
-    model = _tiny_gpt_oss() if family == "gpt_oss" else tiny_qwen3_moe()
+    model = tiny_gpt_oss() if family == "gpt_oss" else tiny_qwen3_moe()
     mtq.quantize(model, mtq.get_preset(PRESETS[fmt]), batches())
     experts = next(m for m in model.modules() if isinstance(m, QuantExperts)).to(dtype)
     for proj in experts._projections:

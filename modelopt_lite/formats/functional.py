@@ -110,13 +110,14 @@ def _static_nvfp4(
 def out_supported(x: torch.Tensor, spec: FormatSpec) -> bool:
     """Whether :func:`fake_quant_reference` writes its result for ``x`` into a given ``out`` (a contiguous
     float32 CPU tensor shaped like ``x``, returned as is when ``x`` is float32): INT / FP8 per tensor or with
-    one amax per row of a contiguous input, and NVFP4 (dynamic block scales) whose last axis splits into
-    whole blocks. Elsewhere ``out`` is ignored and a new tensor is returned."""
-    if x.device.type != "cpu" or not x.is_contiguous() or spec.static_nvfp4 or spec.kind == "mx":
+    one amax per row of a contiguous input, and NVFP4 (dynamic block scales, one global amax or a batch of
+    them) whose last axis splits into whole blocks, contiguous or not (e.g. transposed expert weights).
+    Elsewhere ``out`` is ignored and a new tensor is returned."""
+    if x.device.type != "cpu" or spec.static_nvfp4 or spec.kind == "mx":
         return False
     if spec.kind == "nvfp4":
         return x.ndim > 0 and x.shape[-1] % spec.block_axes[0][1] == 0
-    return not spec.block_axes and (spec.axis is None or spec.axis in (0, -x.ndim))
+    return x.is_contiguous() and not spec.block_axes and (spec.axis is None or spec.axis in (0, -x.ndim))
 
 
 def fake_quant_reference(

@@ -27,8 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.integrations.moe import grouped_mm_experts_forward
 
-from ..formats import fake_quant, nvfp4_fake_quant
-from ..formats.functional import alias_of
+from ..formats import fake_quant
 from ..formats.fused import fused_fake_quant_enabled
 from ..nn import QUANT_MODULES, QuantModule, TensorQuantizer
 from ..nn.quant_module import Quantizer
@@ -77,27 +76,6 @@ class _QuantizedView:
         return getattr(self._module, name)
 
 
-class _NVFP4IntoBuffer(torch.autograd.Function):
-    """``nvfp4_fake_quant(x, amax, block, out=out)`` with the straight-through backward of
-    :func:`~modelopt_lite.formats.fake_quant` (identity, or zero where ``|x| > amax`` when clipped). Saves
-    nothing unless clipped."""
-
-    @staticmethod
-    def forward(ctx, x, amax, block, clip, out):  # type: ignore[override]
-        ctx.clip = clip
-        if clip:
-            ctx.save_for_backward(x, amax)
-        res = nvfp4_fake_quant(x, amax, block, out=out)
-        return res if out is None else alias_of(res)  # res lies in out's memory (a view of it, maybe)
-
-    @staticmethod
-    def backward(ctx, grad_out):  # type: ignore[override]
-        if not ctx.clip:
-            return grad_out, None, None, None, None
-        x, amax = ctx.saved_tensors
-        return grad_out * (x.abs() <= amax.to(x.dtype)), None, None, None, None
-
-
 def _batched_fake_quant(
     quantizers: nn.ModuleList,
     weight: torch.Tensor,
@@ -138,11 +116,7 @@ def _batched_fake_quant(
         # path takes NVFP4 with a single global amax only (one expert): it keeps that case
         if block and buffer is not None and weight.shape[-1] % block == 0:
             out = None if fused_fake_quant_enabled() and amax.numel() == 1 else buffer()
-        if out is not None:
-            if torch.is_grad_enabled() and weight.requires_grad:
-                return _NVFP4IntoBuffer.apply(weight, amax, block, clip, out)
-            return nvfp4_fake_quant(weight, amax, block, out=out)
-        return fake_quant(weight, spec, amax, clip)
+        return fake_quant(weight, spec, amax, clip, out=out)
     except ValueError as err:
         raise ValueError(f"{first.name} (and the other experts' weight quantizers): {err}") from None
 

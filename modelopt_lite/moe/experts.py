@@ -31,7 +31,7 @@ from ..formats import fake_quant
 from ..formats.fused import fused_fake_quant_enabled
 from ..nn import QUANT_MODULES, QuantModule, TensorQuantizer
 from ..nn.quant_module import Quantizer
-from ..nn.quantizer_buffers import storage_refs
+from ..nn.quantizer_buffers import reusable_buffer
 
 __all__ = [
     "EXPERTS_IMPLEMENTATIONS",
@@ -201,18 +201,7 @@ class QuantExperts(QuantModule):
         ):  # fmt: skip
             cache.pop(proj, None)
             return None
-        held = cache.get(proj)
-        if held is not None:
-            buf, refs = held
-            if buf.shape == weight.shape and buf.device == weight.device and storage_refs(buf) == refs:
-                return buf
-        buf = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
-        refs = storage_refs(buf)
-        if refs is None:
-            cache.pop(proj, None)
-            return None
-        cache[proj] = (buf, refs)
-        return buf
+        return reusable_buffer(cache, proj, weight.shape)
 
     @torch.no_grad()
     def fold_weight(self) -> None:

@@ -6,7 +6,7 @@ and load from a ``state_dict`` that creates them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -14,7 +14,7 @@ from torch import nn
 if TYPE_CHECKING:
     from .quantizer_attributes import QuantizerAttributes
 
-__all__ = ["QuantizerBuffers", "storage_refs"]
+__all__ = ["QuantizerBuffers", "reusable_buffer", "storage_refs"]
 
 
 def storage_refs(t: torch.Tensor) -> int | None:
@@ -22,6 +22,23 @@ def storage_refs(t: torch.Tensor) -> int | None:
     ``None`` where this PyTorch has no way to tell."""
     use_count = getattr(torch._C, "_storage_Use_Count", None)
     return None if use_count is None else int(use_count(t.untyped_storage()._cdata))
+
+
+def reusable_buffer(cache: dict[str, Any], key: str, shape: torch.Size) -> torch.Tensor | None:
+    """A float32 CPU tensor of ``shape`` kept as ``cache[key]`` (with its reference count) and handed out
+    again while nothing else references its memory (the graph that used it last was freed); a new one when
+    something still does or the shape changed; ``None`` (and nothing kept) where this PyTorch cannot count
+    the references."""
+    held = cache.get(key)
+    if held is not None and held[0].shape == shape and storage_refs(held[0]) == held[1]:
+        return held[0]
+    buf = torch.empty(shape, dtype=torch.float32)
+    refs = storage_refs(buf)
+    if refs is None:
+        cache.pop(key, None)
+        return None
+    cache[key] = (buf, refs)
+    return buf
 
 
 _OPTIONAL_BUFFERS = ("_amax", "_pre_quant_scale", "_global_amax", "_bias_value")
@@ -156,15 +173,7 @@ class QuantizerBuffers(nn.Module):
         ):  # fmt: skip
             self.__dict__.pop("_output_buffer", None)
             return None
-        held = self.__dict__.get("_output_buffer")
-        if held is None or held[0].shape != x.shape or storage_refs(held[0]) != held[1]:
-            buf = torch.empty(x.shape, dtype=torch.float32)
-            refs = storage_refs(buf)
-            if refs is None:
-                self.__dict__.pop("_output_buffer", None)
-                return None
-            held = self.__dict__["_output_buffer"] = (buf, refs)
-        return held[0]
+        return reusable_buffer(self.__dict__, "_output_buffer", x.shape)
 
     def _apply(self, fn, recurse=True):  # type: ignore[override]
         # amax and pre_quant_scale stay float32 under model.to(bfloat16) / .half(): a rounded amax would

@@ -19,18 +19,17 @@ trim thresholds raised (:class:`~modelopt_lite.allocator.MallocPolicy`), set bac
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate.utils import DistributedType
-from transformers import Trainer, TrainerCallback
+from transformers import Trainer
 from transformers.trainer_utils import get_last_checkpoint
 
 from ..allocator import MallocPolicy
-from ..distributed import all_ranks_succeed, all_reduce_max, is_sharded, rank, unsharded_class, world_size
+from ..distributed import all_ranks_succeed, is_sharded, rank, unsharded_class, world_size
 from ..export.ptq import AUTO_QUANTIZE_DISABLED
 from ..export.shards import ShardWriter
 from ..logging import get_logger
@@ -42,6 +41,7 @@ from ..quantization.compress import compressed_layers
 from ..quantization.config import plain
 from .arguments import QuantizationArguments
 from .calib_data import calibration_samples
+from .callbacks import _AmaxCheckCallback, _GCCallback
 from .gc_policy import GCPolicy
 
 __all__ = ["QATTrainer"]
@@ -53,42 +53,6 @@ _SAVE_SHARD_BYTES = 2 * 2**30
 def learnable_amax_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     """``{parameter name: Parameter}`` of the learnable amax (``learn_amax=True``) in ``model``."""
     return {n: p for n, p in model.named_parameters() if n.rsplit(".", 1)[-1] == "_amax"}
-
-
-class _AmaxCheckCallback(TrainerCallback):
-    """After each optimizer step: a learnable amax that reached zero or below quantizes everything it covers
-    to zero; stop with the quantizer's name instead of training on silently."""
-
-    def __init__(self, trainer: QATTrainer):
-        self.trainer = trainer
-
-    def on_step_end(self, args, state, control, **kwargs):
-        params = self.trainer._amax_params
-        if not params:
-            return
-        with torch.no_grad():  # this rank's values (its shards under FSDP2), then the minimum over ranks
-            local = {n: (p.to_local() if hasattr(p, "to_local") else p).detach() for n, p in params.items()}
-            lows = {n: float(t.min()) for n, t in local.items() if t.numel()}
-        name, low = min(lows.items(), key=lambda kv: kv[1], default=("", math.inf))
-        if world_size() > 1:
-            low = -float(all_reduce_max({"low": torch.tensor([-low])})["low"][0])
-        if low <= 0:
-            where = name if lows.get(name, math.inf) == low else "a learnable amax on another rank"
-            raise RuntimeError(
-                f"step {state.global_step}: the learnable amax {where} went to {low:.3g} (<= 0); lower "
-                f"QuantizationArguments.amax_lr_multiplier ({self.trainer.quant_args.amax_lr_multiplier}) "
-                "or the learning rate"
-            )
-
-
-class _GCCallback(TrainerCallback):
-    """Freeze after the first optimizer step (``on_step_end`` runs after ``optimizer.step()``)."""
-
-    def __init__(self, policy: GCPolicy):
-        self.policy = policy
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.policy.after_optimizer_step()
 
 
 def _first_difference(a: Any, b: Any, path: str = "") -> str | None:

@@ -31,8 +31,8 @@ from ..logging import get_logger
 from ..moe import QuantExperts
 from ..nn import TensorQuantizer, iter_quantizers
 from .layers import UnsupportedFormatError
-from .shards import ShardWriter, umask
-from .writer import _check_target, _excluded, _move_into_place, parse_size
+from .shards import ShardWriter, _check_target, _move_into_place, parse_size, umask
+from .writer import _excluded
 
 __all__ = ["MXFP4_BLOCK", "export_gpt_oss_mxfp4", "mxfp4_experts_tensors"]
 

@@ -5,18 +5,28 @@ Tensors go into the current shard in the order they are added; a tensor that wou
 ``max_bytes`` starts the next one (a tensor larger than ``max_bytes`` gets a shard of its own). Full shards
 are saved under provisional names; :meth:`ShardWriter.close` renames them ``model.safetensors`` (one shard)
 or ``model-0000i-of-0000N.safetensors`` with a ``model.safetensors.index.json``.
+
+Also the shard size limit (:func:`parse_size`) and the target directory: refused when it holds files
+without ``overwrite``, replaced only once the new one is complete.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-__all__ = ["ShardWriter", "umask"]
+__all__ = ["ShardWriter", "parse_size", "umask"]
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)?\s*$", re.IGNORECASE)
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
 
 
 class ShardWriter:
@@ -76,3 +86,35 @@ def umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from an int or a string such as ``"5GB"`` / ``"500MiB"``."""
+    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        return size
+    match = _SIZE.match(str(size)) if isinstance(size, str) else None
+    if match is None:
+        raise ValueError(f"max_shard_size={size!r}: expected a positive int of bytes or a string like '5GB'")
+    return int(float(match.group(1)) * _UNITS[(match.group(2) or "B").upper()])
+
+
+def _check_target(export_dir: Path, overwrite: bool) -> None:
+    if export_dir.exists() and not export_dir.is_dir():
+        raise FileExistsError(f"export_dir {export_dir} exists and is not a directory")
+    if export_dir.is_dir() and any(export_dir.iterdir()) and not overwrite:
+        raise FileExistsError(
+            f"export_dir {export_dir} exists and is not empty; choose a new directory or pass overwrite=True "
+            "(hf_ptq.py: --overwrite) to replace it"
+        )
+
+
+def _move_into_place(tmp: Path, export_dir: Path) -> None:
+    """Rename ``tmp`` to ``export_dir``; an existing (empty or overwritten) directory is moved aside first and
+    removed only once the new one is in place."""
+    if not export_dir.exists():
+        os.replace(tmp, export_dir)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{export_dir.name}.", suffix=".old", dir=export_dir.parent))
+    os.replace(export_dir, old / "previous")
+    os.replace(tmp, export_dir)
+    shutil.rmtree(old, ignore_errors=True)

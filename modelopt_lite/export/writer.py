@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -43,16 +42,13 @@ from ..nn.errors import UnsupportedFeatureError
 from .hf_config import hf_quant_config, quantization_config
 from .layers import ExportLayer, ExportModule, export_plan, foldable_norms, kv_layers, unify_shared_scales
 from .packers import get_packer, scale_of_amax
-from .shards import ShardWriter, umask
+from .shards import ShardWriter, _check_target, _move_into_place, parse_size, umask
 from .verify import verify_export
 
 __all__ = ["ExportResult", "export_hf_checkpoint", "parse_size"]
 
 logger = get_logger(__name__)
 _INPUT_MAX = {"fp8": 448.0, "int": 127.0, "nvfp4": 6.0 * 448.0}  # by FormatSpec.kind
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)?\s*$", re.IGNORECASE)
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
 
 
 @dataclass
@@ -65,16 +61,6 @@ class ExportResult:
     quantized_layers: dict[str, str]  # hub name -> quant_algo
     total_bytes: int
     ratios: dict[str, float] = field(default_factory=dict)  # quant_algo -> bytes on disk / bf16 bytes
-
-
-def parse_size(size: int | str) -> int:
-    """Bytes from an int or a string such as ``"5GB"`` / ``"500MiB"``."""
-    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
-        return size
-    match = _SIZE.match(str(size)) if isinstance(size, str) else None
-    if match is None:
-        raise ValueError(f"max_shard_size={size!r}: expected a positive int of bytes or a string like '5GB'")
-    return int(float(match.group(1)) * _UNITS[(match.group(2) or "B").upper()])
 
 
 def _is_quantizer_key(key: str) -> bool:
@@ -227,28 +213,6 @@ def _excluded(model: nn.Module, quantized: dict[str, str]) -> list[str]:
             if not any(q.startswith(f"{name}.") for q in quantized):
                 out.append(name)
     return out
-
-
-def _check_target(export_dir: Path, overwrite: bool) -> None:
-    if export_dir.exists() and not export_dir.is_dir():
-        raise FileExistsError(f"export_dir {export_dir} exists and is not a directory")
-    if export_dir.is_dir() and any(export_dir.iterdir()) and not overwrite:
-        raise FileExistsError(
-            f"export_dir {export_dir} exists and is not empty; choose a new directory or pass overwrite=True "
-            "(hf_ptq.py: --overwrite) to replace it"
-        )
-
-
-def _move_into_place(tmp: Path, export_dir: Path) -> None:
-    """Rename ``tmp`` to ``export_dir``; an existing (empty or overwritten) directory is moved aside first and
-    removed only once the new one is in place."""
-    if not export_dir.exists():
-        os.replace(tmp, export_dir)
-        return
-    old = Path(tempfile.mkdtemp(prefix=f".{export_dir.name}.", suffix=".old", dir=export_dir.parent))
-    os.replace(export_dir, old / "previous")
-    os.replace(tmp, export_dir)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def _dir_and_dtype(args: tuple[Any, ...], export_dir: Any, dtype: Any) -> tuple[Path, torch.dtype | None]:

@@ -70,7 +70,7 @@ from .insertion import (
     remove_quantizers,
     snapshot_implementations,
 )
-from .knapsack import solve_assignment
+from .knapsack import solve_assignment, solve_state
 
 __all__ = ["auto_quantize", "get_auto_quantize_config", "solve_assignment"]
 # (GROUPING_RULES, SEARCHABLE_ALGORITHMS and format_bits: importable from here, as before the split)
@@ -321,7 +321,7 @@ def _search(
         "cost_denominator": sum(g.numel for g in groups),
         "candidate_stats": stats,
     }
-    state["best"] = _solve(state, effective_bits)
+    state["best"] = solve_state(state, effective_bits)
     chosen = state["best"]["recipe"]
     provenance = Provenance()
     config = get_auto_quantize_config(state)
@@ -342,29 +342,6 @@ def _search(
 
 def _chosen_score(stat: Mapping[str, Any], fmt: str) -> float:
     return stat["scores"][stat["formats"].index(fmt)]
-
-
-def _solve(state: Mapping[str, Any], effective_bits: float) -> dict[str, Any]:
-    stats = state["candidate_stats"]
-    total = state["cost_denominator"]
-    names = list(stats)
-    solved = solve_assignment(
-        [stats[n]["costs"] for n in names], [stats[n]["scores"] for n in names], total * effective_bits / 16
-    )
-    if solved is None:
-        low = sum(min(stats[n]["costs"]) for n in names) / total * 16
-        raise ValueError(
-            f"effective_bits={effective_bits} is out of reach: the reachable range is [{low:.4f}, 16.0]"
-        )
-    choice, exact = solved
-    cost = sum(stats[n]["costs"][j] for n, j in zip(names, choice, strict=True))
-    return {
-        "recipe": {n: stats[n]["formats"][j] for n, j in zip(names, choice, strict=True)},
-        "constraints": {"effective_bits": cost / total * 16},
-        "score": sum(stats[n]["scores"][j] for n, j in zip(names, choice, strict=True)),
-        "is_satisfied": True,
-        "exact": exact,
-    }
 
 
 def _log_choice(state: Mapping[str, Any], verbose: bool) -> None:
@@ -395,7 +372,7 @@ def get_auto_quantize_config(
         raise TypeError("search_state must be the state returned by mtq.auto_quantize")
     best = search_state["best"]
     if constraints is not None:
-        best = _solve(search_state, float(constraints["effective_bits"]))
+        best = solve_state(search_state, float(constraints["effective_bits"]))
         _log_choice({**search_state, "best": best}, verbose)
     quant_cfg: list[dict[str, Any]] = [{"quantizer_name": "*", "enable": False}]
     for name, fmt in best["recipe"].items():

@@ -1,15 +1,17 @@
 """The exact solver of :func:`~modelopt_lite.quantization.auto_quantize`: one choice per group minimising the
-summed score under a cost budget (a multiple-choice knapsack), by dynamic programming over integer costs."""
+summed score under a cost budget (a multiple-choice knapsack), by dynamic programming over integer costs;
+and :func:`solve_state`, that solver applied to a search state's candidates at an effective-bits budget."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from fractions import Fraction
+from typing import Any
 
 import numpy as np
 
-__all__ = ["solve_assignment"]
+__all__ = ["solve_assignment", "solve_state"]
 
 _MAX_CAPACITY = 1 << 18  # integer cost steps of the dynamic program (beyond: costs rounded up)
 
@@ -57,3 +59,29 @@ def solve_assignment(
         choice[g] = int(picks[g, c])
         c -= weights[g][choice[g]]
     return choice, exact
+
+
+def solve_state(state: Mapping[str, Any], effective_bits: float) -> dict[str, Any]:
+    """The search state's ``best`` entry for ``effective_bits``: each group's format (``recipe``), the bits
+    and summed score reached, and whether the solve was exact. Raises with the reachable range when the
+    budget is out of reach."""
+    stats = state["candidate_stats"]
+    total = state["cost_denominator"]
+    names = list(stats)
+    solved = solve_assignment(
+        [stats[n]["costs"] for n in names], [stats[n]["scores"] for n in names], total * effective_bits / 16
+    )
+    if solved is None:
+        low = sum(min(stats[n]["costs"]) for n in names) / total * 16
+        raise ValueError(
+            f"effective_bits={effective_bits} is out of reach: the reachable range is [{low:.4f}, 16.0]"
+        )
+    choice, exact = solved
+    cost = sum(stats[n]["costs"][j] for n, j in zip(names, choice, strict=True))
+    return {
+        "recipe": {n: stats[n]["formats"][j] for n, j in zip(names, choice, strict=True)},
+        "constraints": {"effective_bits": cost / total * 16},
+        "score": sum(stats[n]["scores"][j] for n, j in zip(names, choice, strict=True)),
+        "is_satisfied": True,
+        "exact": exact,
+    }

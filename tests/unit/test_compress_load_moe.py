@@ -24,8 +24,7 @@ from modelopt_lite.quantization.compress import CompressedExperts, compressed_la
 from modelopt_lite.quantization.packers import get_packer
 
 from ._export_cases import FORMATS, export, quantized, tensors
-from ._models import batches, tiny_llama4, tiny_qwen3_moe
-from .test_compress_moe import _tiny_gpt_oss
+from ._models import batches, tiny_gpt_oss, tiny_llama4, tiny_qwen3_moe
 
 pytest.importorskip("torchao", reason="loading an export compressed needs the torchao extra")
 
@@ -147,7 +146,7 @@ def test_transposed_experts(tmp_path, family, preset):
     """GPT-OSS (gate / up rows interleaved, biases; grouped_mm and eager) and Llama 4 store the experts
     ``(in, out)``: the merged codes are per expert ``(out, in)``, in the model's row order, as mtq.compress
     packs them; the logits equal the dequantized load's bit for bit."""
-    model = mtq.quantize({"gpt_oss": _tiny_gpt_oss, "llama4": tiny_llama4}[family](), mtq.get_preset(preset),
+    model = mtq.quantize({"gpt_oss": tiny_gpt_oss, "llama4": tiny_llama4}[family](), mtq.get_preset(preset),
                          batches(n=1))  # fmt: skip
     export(model, tmp_path)
     dense = load_hf_checkpoint(tmp_path, dtype=torch.float32)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .._cache import cache_base
 from .._version import __version__
 from ..logging import get_logger
 from .specs import DefaultModelSpec, spec_for
@@ -36,11 +37,7 @@ MARKER = "default_model.json"
 
 def cache_root() -> Path:
     """``$MODELOPT_LITE_CACHE/default_models`` (see the module docstring for the fallbacks)."""
-    base = os.environ.get("MODELOPT_LITE_CACHE")
-    if not base:
-        xdg = os.environ.get("XDG_CACHE_HOME")
-        base = os.path.join(xdg, "modelopt_lite") if xdg else os.path.join("~", ".cache", "modelopt_lite")
-    return Path(base).expanduser() / "default_models"
+    return cache_base() / "default_models"
 
 
 def _complete(path: Path) -> bool:

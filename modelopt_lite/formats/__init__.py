@@ -1,6 +1,6 @@
 """Floor 1: reference fake quantization per format (pure PyTorch, any device), the straight-through
-estimator, E2M1 packing, Triton kernels used automatically on CUDA tensors, and compiled (fused) kernels
-on CPU tensors (:mod:`.fused`)."""
+estimator, E2M1 packing, Triton kernels used automatically on CUDA tensors, and on CPU tensors one-pass native
+kernels (:mod:`.native`, on by default) and compiled (fused) kernels (:mod:`.fused`, opt-in)."""
 
 from ._blocks import BlockLayout
 from .fp8 import fp8_fake_quant
@@ -10,6 +10,7 @@ from .hadamard import hadamard_block_size, hadamard_matrix, hadamard_transform
 from .integer import int_bounds, int_fake_quant
 from .learnable import fake_quant_learnable, learnable_amax_error
 from .mx import mx_fake_quant, mx_scale_exponent
+from .native import native_call_count, native_fake_quant_enabled, set_native_fake_quant
 from .nvfp4 import (
     nvfp4_block_scales,
     nvfp4_fake_quant,
@@ -41,6 +42,8 @@ __all__ = [
     "minifloat_round",
     "mx_fake_quant",
     "mx_scale_exponent",
+    "native_call_count",
+    "native_fake_quant_enabled",
     "nvfp4_block_scales",
     "nvfp4_fake_quant",
     "nvfp4_global_scale",
@@ -51,5 +54,6 @@ __all__ = [
     "reduce_like_amax",
     "resolve_format",
     "set_fused_fake_quant",
+    "set_native_fake_quant",
     "unpack_e2m1",
 ]

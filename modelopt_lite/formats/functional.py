@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import fused
+from . import fused, native
 from ._blocks import BlockLayout
 from ._chunks import map_rows
 from .fp8 import fp8_apply, fp8_scales, fp8_spec
@@ -178,8 +178,9 @@ def dispatch_fake_quant(
     global_amax: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Fake quant without autograd: the Triton kernel on CUDA where it applies, the fused (compiled) kernel
-    of :mod:`.fused` on CPU where it applies, else the reference (into ``out`` where it supports one)."""
+    """Fake quant without autograd: the Triton kernel on CUDA where it applies; on CPU the native kernel of
+    :mod:`.native` (into ``out`` when given), else the fused (compiled) kernel of :mod:`.fused` when turned
+    on, where they apply; else the reference (into ``out`` where it supports one)."""
     if spec.dynamic and not spec.block_axes and spec.kind in ("int", "fp8"):
         amax = reduce_amax(x, spec)  # dynamic per tensor / per axis: this input's own amax
     if x.is_cuda:
@@ -189,6 +190,9 @@ def dispatch_fake_quant(
         if res is not None:
             return res
     else:
+        res = native.try_native_fake_quant(x, spec, amax, global_amax, out)
+        if res is not None:
+            return res
         res = fused.try_fused_fake_quant(
             x, spec, amax, global_amax, lambda: fake_quant_reference(x, spec, amax, global_amax)
         )

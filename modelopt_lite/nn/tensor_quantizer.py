@@ -17,6 +17,7 @@ from ..formats import (
     fake_quant,
     fake_quant_learnable,
     hadamard_transform,
+    native,
 )
 from ..formats.functional import out_supported
 from .calibrators import BiasCalibrator, Calibrator, bias_settings, make_calibrator
@@ -306,7 +307,8 @@ class TensorQuantizer(QuantizerBuffers):
                 out = fake_quant_learnable(x, self._spec, self._amax)
             else:
                 clip = self._attrs.backward == "clipped"
-                buf = self.output_buffer(x) if bias is None and out_supported(x, self._spec) else None
+                takes_out = out_supported(x, self._spec) or native.takes(x, self._spec, self._amax)
+                buf = self.output_buffer(x) if bias is None and takes_out else None
                 out = fake_quant(x, self._spec, self._amax, clip, self._global_amax, buf)
         except ValueError as err:
             raise ValueError(f"{self.name}: {err}") from None

@@ -24,6 +24,7 @@ from modelopt_lite.formats import (
     set_fused_fake_quant,
 )
 from modelopt_lite.formats import fused as fused_mod
+from modelopt_lite.formats import native as native_mod
 from modelopt_lite.formats.functional import dispatch_fake_quant
 from modelopt_lite.formats.rounding import e2m1_round
 
@@ -45,14 +46,17 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 @pytest.fixture
 def fused_on():
-    """The fused path forced on for every size; the module's state restored afterwards."""
-    saved = dict(fused_mod._state)
+    """The fused path forced on for every size (the native kernels, tried first, off); the modules' state
+    restored afterwards."""
+    saved, saved_native = dict(fused_mod._state), dict(native_mod._state)
     set_fused_fake_quant(True, min_numel=0)
+    native_mod.set_native_fake_quant(False)
     fused_mod._logged_reasons.clear()
     try:
         yield
     finally:
         fused_mod._state.update(saved)
+        native_mod._state.update(saved_native)
 
 
 def _input(

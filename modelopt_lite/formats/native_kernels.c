@@ -1,0 +1,164 @@
+/* One-pass CPU fake-quant kernels of modelopt_lite (see native.py, which builds and loads this file).
+ *
+ * Every element goes through the float32 operations of the eager reference formulas (formats/fp8.py,
+ * integer.py, nvfp4.py, rounding.py) in the same order, so that results are equal bit for bit. That needs
+ * IEEE arithmetic as written: native.py compiles with -ffp-contract=off (no fused multiply-add) and never
+ * with -ffast-math. The clamps are written as compares so that NaN passes through, as in torch.clamp.
+ *
+ * Layout: contiguous float32 input and output of `rows` x `cols`; a scale is one value for all rows
+ * (`per_row` = 0) or one per row (`per_row` = 1). Rows are split between OpenMP threads when the library
+ * was built with OpenMP and the tensor is large enough.
+ */
+#include <stdint.h>
+#include <string.h>
+
+/* elements from which a kernel splits its rows between threads. Measured on a 2-core VM (2026-12-02): a
+ * second thread bought nothing below ~2M elements (the kernels run near the memory system's speed on one
+ * core) and waking a sleeping thread (OMP_WAIT_POLICY=PASSIVE) cost ~50 us; from 4M elements FP8 took
+ * 0.6x the one-thread time, NVFP4 0.7x from 2M */
+#ifndef PARALLEL_MIN_ELEMENTS
+#define PARALLEL_MIN_ELEMENTS (1 << 22)
+#endif
+#ifndef PARALLEL_MIN_BLOCK_ELEMENTS
+#define PARALLEL_MIN_BLOCK_ELEMENTS (1 << 21)
+#endif
+
+static inline uint32_t bits_of(float v) {
+    uint32_t u;
+    memcpy(&u, &v, sizeof u);
+    return u;
+}
+
+static inline float float_of(uint32_t u) {
+    float v;
+    memcpy(&v, &u, sizeof v);
+    return v;
+}
+
+/* split the rows (blocks) between threads only when there is enough work to pay for waking them */
+static inline int parallel(int64_t units, int64_t per_unit, int64_t min_elements) {
+    return units > 1 && units * per_unit >= min_elements;
+}
+
+/* clamp that keeps NaN (torch.clamp) */
+static inline float clamp_keep_nan(float v, float lo, float hi) {
+    v = v < lo ? lo : v;
+    return v > hi ? hi : v;
+}
+
+/* `v` rounded half to even to a multiple of the power of two whose float32 exponent field is `step_field`,
+ * for |v| < 2**22 steps: adding and subtracting 1.5 * 2**23 * step leaves exactly that rounding (the sum's
+ * spacing is `step`); the sign is v's, so that -0.3 steps gives -0.0 as torch.round does. Vectorizes where
+ * a rounding call and a division do not. */
+static inline float round_to_step(float v, uint32_t step_field) {
+    const float magic = float_of(step_field + ((23u << 23) | (1u << 22)));
+    return float_of(bits_of((v + magic) - magic) | (bits_of(v) & 0x80000000u));
+}
+
+/* rounding.minifloat_round of a value already clamped to the format's range (the reference clamps after
+ * rounding: the same, as rounding is monotonic and the maximum is on the grid); the spacing is
+ * 2**(max(e, min_exp) - man_bits) for 2**e <= |a| */
+static inline float minifloat_round(float a, uint32_t min_exp_field, uint32_t man_shift) {
+    uint32_t exp_field = bits_of(a) & 0x7F800000u;
+    exp_field = exp_field < min_exp_field ? min_exp_field : exp_field;
+    return round_to_step(a, exp_field - man_shift);
+}
+
+int mol_version(void) { return 1; }
+
+int mol_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* The amax of row r's block b: one for the tensor (AMAX_TENSOR), one per row (AMAX_ROW) or one per block of
+ * `block` elements along each row, the last one possibly shorter (AMAX_BLOCK: blocks numbered row-major,
+ * ceil(cols / block) per row, the order of BlockLayout's zero-padded blocks). */
+enum { AMAX_TENSOR = 0, AMAX_ROW = 1, AMAX_BLOCK = 2 };
+
+static inline float amax_at(const float *amax, int mode, int64_t r, int64_t b, int64_t blocks_per_row) {
+    return amax[mode == AMAX_TENSOR ? 0 : mode == AMAX_ROW ? r : r * blocks_per_row + b];
+}
+
+/* fp8.fp8_scales + fp8.fp8_apply: scale = (1 / amax) * max (amax <= 2**-24 replaced by 1),
+ * inv = 1 / scale, out = minifloat_round(clamp(x * scale, -max, max)) * inv */
+void mol_fp8(const float *x, float *out, int64_t rows, int64_t cols, int64_t block, const float *amax,
+             int mode, int min_exp, int man_bits, float max_value, int threads) {
+    const uint32_t min_field = (uint32_t)(min_exp + 127) << 23, man_shift = (uint32_t)man_bits << 23;
+    const int64_t nb = (cols + block - 1) / block;
+#pragma omp parallel for schedule(static) num_threads(threads) if (parallel(rows, cols, PARALLEL_MIN_ELEMENTS))
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t b = 0; b < nb; b++) {
+            float a = amax_at(amax, mode, r, b, nb);
+            a = a <= 0x1p-24f ? 1.0f : a;
+            const float s = (1.0f / a) * max_value, inv = 1.0f / s;
+            const int64_t start = r * cols + b * block, n = b + 1 < nb ? block : cols - b * block;
+            const float *xs = x + start;
+            float *ys = out + start;
+            for (int64_t c = 0; c < n; c++) {
+                float y = clamp_keep_nan(xs[c] * s, -max_value, max_value);
+                ys[c] = minifloat_round(y, min_field, man_shift) * inv;
+            }
+        }
+    }
+}
+
+static inline float round_int(float v) { return round_to_step(v, 127u << 23); }
+
+/* integer.int_scale_keep + integer.int_apply: scale = max_bound / amax (amax <= 2**-24: amax 1 and the
+ * output times 0), out = round_half_even(clamp(x * scale, lo, hi)) / scale (* keep): clamping first is the
+ * same for integer bounds and keeps |v| small enough for round_to_step */
+void mol_int(const float *x, float *out, int64_t rows, int64_t cols, int64_t block, const float *amax,
+             int mode, float lo, float hi, int threads) {
+    const int64_t nb = (cols + block - 1) / block;
+#pragma omp parallel for schedule(static) num_threads(threads) if (parallel(rows, cols, PARALLEL_MIN_ELEMENTS))
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const float a = amax_at(amax, mode, r, b, nb);
+            const int tiny = a <= 0x1p-24f;
+            const float s = hi / (tiny ? 1.0f : a);
+            const int64_t start = r * cols + b * block, n = b + 1 < nb ? block : cols - b * block;
+            const float *xs = x + start;
+            float *ys = out + start;
+            if (tiny) {
+                for (int64_t c = 0; c < n; c++) ys[c] = round_int(clamp_keep_nan(xs[c] * s, lo, hi)) / s * 0.0f;
+            } else {
+                for (int64_t c = 0; c < n; c++) ys[c] = round_int(clamp_keep_nan(xs[c] * s, lo, hi)) / s;
+            }
+        }
+    }
+}
+
+/* nvfp4.nvfp4_fake_quant with one global amax, blocks of `block` contiguous elements (`blocks` of them):
+ * s2 = global_amax / 2688; per block the amax from |x|'s bit patterns, its FP8 scale
+ * (nvfp4.nvfp4_block_scales) times s2 = step; out = e2m1_round(|x| / step) with x's sign, times step. */
+void mol_nvfp4(const float *x, float *out, int64_t blocks, int64_t block, float global_amax, int threads) {
+    const float s2 = global_amax / 2688.0f, denom = s2 * 6.0f;
+    const uint32_t e4m3_min = (uint32_t)(-6 + 127) << 23, e4m3_shift = 3u << 23;
+#pragma omp parallel for schedule(static) num_threads(threads) if (parallel(blocks, block, PARALLEL_MIN_BLOCK_ELEMENTS))
+    for (int64_t b = 0; b < blocks; b++) {
+        const float *xb = x + b * block;
+        float *yb = out + b * block;
+        uint32_t amax_bits = 0;
+        for (int64_t c = 0; c < block; c++) {
+            uint32_t u = bits_of(xb[c]) & 0x7FFFFFFFu;
+            amax_bits = u > amax_bits ? u : amax_bits;
+        }
+        float s = float_of(amax_bits) / denom;
+        s = s == 0.0f ? 1.0f : s;
+        s = minifloat_round(clamp_keep_nan(s, 0x1p-9f, 448.0f), e4m3_min, e4m3_shift);
+        const float step = s * s2;
+        for (int64_t c = 0; c < block; c++) {
+            const uint32_t v = bits_of(xb[c]);
+            float m = float_of(v & 0x7FFFFFFFu) / step;
+            m = m > 6.0f ? 6.0f : m;
+            /* rounding.e2m1_round: E2M1 = a minifloat with min_exp 0 and one mantissa bit */
+            m = minifloat_round(m, 127u << 23, 1u << 23);
+            m = float_of(bits_of(m) | (v & 0x80000000u));
+            yb[c] = m * step;
+        }
+    }
+}

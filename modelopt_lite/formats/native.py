@@ -11,13 +11,16 @@ elements.
 
 Covered (float32, bfloat16 or float16 input, contiguous, on the CPU, no autograd through the formula):
 
-- INT-k and FP8 (E4M3, E5M2) with one amax for the tensor or one per row of the first axis (per channel,
-  ``axis=0``), and with a calibrated amax per block along the last axis (a shorter last block included);
-- NVFP4 with dynamic block scales and one global amax (calibrated, or taken from the input), when the last
-  axis divides into blocks.
+- INT-k and FP8 (E4M3, E5M2) with one amax for the tensor, one per row of the first axis (per channel,
+  ``axis=0``) or per index of the leading dimensions (one per expert, ``(E, 1, 1)``), a calibrated amax per
+  block along the last axis, or each block's own amax (dynamic blocks, per token); a shorter last block
+  included;
+- NVFP4 with dynamic block scales and one global amax (calibrated, or taken from the input) or one per
+  index of the leading dimensions (one per expert), when the last axis divides into blocks;
+- MX (MXFP8, MXFP6, MXFP4, MXINT8) along the last axis.
 
-Everything else (MX, static NVFP4, a batch of NVFP4 global amax, per-channel on another axis, strided
-layouts, dynamic INT / FP8 blocks) runs the reference, with one DEBUG line per reason.
+Everything else (static NVFP4, per-channel on another axis or 2-D blocks, strided layouts) runs the
+reference, with one DEBUG line per reason.
 
 Build: ``$CC`` (else ``cc``, ``gcc``, ``clang``) with ``-O3 -march=native -ffp-contract=off`` and OpenMP
 (without it where the compiler lacks it), into ``$MODELOPT_LITE_CACHE/native/`` (default
@@ -50,7 +53,7 @@ from .._cache import cache_base
 from ..logging import get_logger
 from .fp8 import fp8_spec
 from .integer import check_unsigned, int_bounds
-from .rounding import TINY_AMAX
+from .mx import _element
 from .spec import FormatSpec
 
 __all__ = [
@@ -81,7 +84,8 @@ _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_f
 _SIGNATURES = {
     "mol_fp8": [_P, _P, _I64, _I64, _I64, _P, _I32, _I32, _I32, _F32, _I32],
     "mol_int": [_P, _P, _I64, _I64, _I64, _P, _I32, _F32, _F32, _I32],
-    "mol_nvfp4": [_P, _P, _I64, _I64, _F32, _I32],
+    "mol_nvfp4": [_P, _P, _I64, _I64, _P, _I64, _I32],
+    "mol_mx": [_P, _P, _I64, _I64, _I64, _I32, _I32, _F32, _I32, _I32],
 }
 
 
@@ -217,41 +221,62 @@ def _debug_once(reason: str) -> None:
         logger.debug("native fake quant: %s; the reference path runs", reason)
 
 
-#: how the kernels index the amax (native_kernels.c): one, one per row, one per block along the rows
-_AMAX_TENSOR, _AMAX_ROW, _AMAX_BLOCK = 0, 1, 2
+#: how the kernels index the amax (native_kernels.c): one, one per row, one per block along the rows, each
+#: block's own
+_AMAX_TENSOR, _AMAX_ROW, _AMAX_BLOCK, _AMAX_DYNAMIC = 0, 1, 2, 3
+
+
+def _leading_rows(x: torch.Tensor, amax: torch.Tensor) -> int | None:
+    """The number of rows when ``amax`` holds one value per index of ``x``'s leading dimensions and
+    broadcasts over the rest (shape ``(*x.shape[:k], 1, ..., 1)``, e.g. one per expert ``(E, 1, 1)``)."""
+    if amax.ndim != x.ndim:
+        return None
+    k = 0
+    while k < x.ndim and amax.shape[k] == x.shape[k] and x.shape[k] != 1:
+        k += 1
+    if any(d != 1 for d in amax.shape[k:]):
+        return None
+    return amax.numel()
 
 
 def _layout(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None) -> tuple[int, int, int, int] | str:
-    """``(rows, cols, block, amax mode)`` of the kernel's view of ``x``, or why it is not covered."""
+    """``(rows, cols, block, amax mode)`` of the kernel's view of ``x`` (NVFP4: ``(blocks, block, block,
+    blocks per global amax)``), or why it is not covered."""
+    cols = max(x.shape[-1] if x.ndim else 1, 1)
     if spec.kind == "nvfp4":
         block = spec.block_axes[0][1]
         if spec.static_nvfp4:
             return "static NVFP4 (calibrated block amax)"
-        if amax is not None and amax.numel() > 1:
-            return "a batch of NVFP4 global amax"
-        if x.ndim == 0 or x.shape[-1] % block:
+        if x.ndim == 0 or cols % block:
             return "NVFP4 last axis not a whole number of blocks"
-        return x.numel() // block, block, block, _AMAX_TENSOR
+        blocks = x.numel() // block
+        groups = 1 if amax is None or amax.numel() == 1 else _leading_rows(x, amax)
+        if groups is None:
+            return f"NVFP4 global amax {tuple(amax.shape)} not one per leading index"
+        return blocks, block, block, blocks // groups
+    if spec.kind == "mx":
+        return x.numel() // cols, cols, spec.block_axes[0][1], 0
     if spec.kind not in ("int", "fp8"):
         return f"format {spec.name}"
+    if spec.block_axes:
+        ((axis, block),) = spec.block_axes if len(spec.block_axes) == 1 else ((None, 0),)
+        if axis is None or axis % x.ndim != x.ndim - 1:
+            return f"blocks {spec.granularity}"
+        block = cols if block is None else block
+        if spec.dynamic:
+            return x.numel() // cols, cols, block, _AMAX_DYNAMIC
+        if amax is None or amax.numel() != x.numel() // cols * -(-cols // block):
+            return "no amax, or an amax per block of another count"  # the reference raises its own error
+        return x.numel() // cols, cols, block, _AMAX_BLOCK
     if amax is None:
         return "no amax"
-    if spec.block_axes:
-        ((axis, block),) = spec.block_axes if len(spec.block_axes) == 1 else ((None, None),)
-        if spec.dynamic or block is None or axis is None or axis % x.ndim != x.ndim - 1:
-            return f"blocks {spec.granularity}"
-        cols = x.shape[-1]
-        rows = x.numel() // cols
-        if amax.numel() != rows * -(-cols // block):  # the reference raises its own error
-            return "an amax per block of another count"
-        return rows, cols, block, _AMAX_BLOCK
     if amax.numel() == 1:
-        cols = max(x.shape[-1] if x.ndim else 1, 1)
         return x.numel() // cols, cols, cols, _AMAX_TENSOR
-    if spec.axis in (0, -x.ndim) and amax.numel() == x.shape[0]:
-        cols = max(x.numel() // max(x.shape[0], 1), 1)
-        return x.shape[0], cols, cols, _AMAX_ROW
-    return f"per-channel amax {tuple(amax.shape)} on axis {spec.axis}"
+    rows = x.shape[0] if spec.axis in (0, -x.ndim) and amax.numel() == x.shape[0] else _leading_rows(x, amax)
+    if rows is None:
+        return f"amax {tuple(amax.shape)} on axis {spec.axis}"
+    cols = x.numel() // rows
+    return rows, cols, cols, _AMAX_ROW
 
 
 def _not_covered(x: torch.Tensor, spec: FormatSpec, amax, global_amax, autograd: bool = True) -> str | None:
@@ -289,9 +314,8 @@ def try_native_fake_quant(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """The fake quant of ``x`` by a native kernel (no autograd), or ``None`` when the reference should
-    answer instead (not covered, the kernels are off or failed to build, an NVFP4 tensor whose global amax
-    is zero). ``out``: a contiguous float32 tensor shaped like ``x`` to write the float32 result into; it is
-    returned itself for a float32 ``x``."""
+    answer instead (not covered, or the kernels are off or failed to build). ``out``: a contiguous float32
+    tensor shaped like ``x`` to write the float32 result into; it is returned itself for a float32 ``x``."""
     if x.numel() == 0 or not native_fake_quant_enabled() or torch.compiler.is_compiling():
         return None
     reason = _not_covered(x, spec, amax, global_amax)
@@ -305,19 +329,34 @@ def try_native_fake_quant(
     rows, cols, block, mode = layout
     if spec.kind == "int":
         check_unsigned(x, spec.unsigned)
-    if spec.kind == "nvfp4":
-        g = x.detach().abs().amax() if amax is None else amax
-        g = float(g.to(dtype=torch.float32))
-        if g <= TINY_AMAX:  # an all-zero output: the reference's own handling
-            return None
-    else:
+    if spec.kind == "nvfp4" and amax is None:
+        amax = x.detach().abs().amax()  # the reference's dynamic global amax
+    if amax is not None:
         amax = amax.detach().to(dtype=torch.float32).contiguous()
     if out is None or out.shape != x.shape or out.dtype != torch.float32 or not out.is_contiguous():
         out = torch.empty(x.shape, dtype=torch.float32)
     src = x.detach() if x.dtype == torch.float32 else out.copy_(x.detach())
     threads = torch.get_num_threads()
+    amax_ptr = None if amax is None else amax.data_ptr()
     if spec.kind == "nvfp4":
-        lib.mol_nvfp4(src.data_ptr(), out.data_ptr(), rows, cols, g, threads)
+        lib.mol_nvfp4(src.data_ptr(), out.data_ptr(), rows, cols, amax_ptr, mode, threads)
+    elif spec.kind == "mx":
+        element = _element(spec.num_bits)
+        if element is None:  # MXINT8
+            lib.mol_mx(src.data_ptr(), out.data_ptr(), rows, cols, block, 0, -1, 0.0, 0, threads)
+        else:
+            lib.mol_mx(
+                src.data_ptr(),
+                out.data_ptr(),
+                rows,
+                cols,
+                block,
+                element.min_exp,
+                element.man_bits,
+                element.max_value,
+                element.emax,
+                threads,
+            )
     elif spec.kind == "fp8":
         fmt, _ = fp8_spec(spec.num_bits)
         lib.mol_fp8(
@@ -326,7 +365,7 @@ def try_native_fake_quant(
             rows,
             cols,
             block,
-            amax.data_ptr(),
+            amax_ptr,
             mode,
             fmt.min_exp,
             fmt.man_bits,
@@ -335,6 +374,6 @@ def try_native_fake_quant(
         )
     else:
         lo, hi = int_bounds(spec.num_bits, spec.unsigned, spec.narrow_range)
-        lib.mol_int(src.data_ptr(), out.data_ptr(), rows, cols, block, amax.data_ptr(), mode, lo, hi, threads)
+        lib.mol_int(src.data_ptr(), out.data_ptr(), rows, cols, block, amax_ptr, mode, lo, hi, threads)
     _state["calls"] += 1
     return out if x.dtype == torch.float32 else out.to(x.dtype)

@@ -74,12 +74,26 @@ int mol_openmp(void) {
 #endif
 }
 
-/* The amax of row r's block b: one for the tensor (AMAX_TENSOR), one per row (AMAX_ROW) or one per block of
+/* The amax of row r's block b: one for the tensor (AMAX_TENSOR), one per row (AMAX_ROW), one per block of
  * `block` elements along each row, the last one possibly shorter (AMAX_BLOCK: blocks numbered row-major,
- * ceil(cols / block) per row, the order of BlockLayout's zero-padded blocks). */
-enum { AMAX_TENSOR = 0, AMAX_ROW = 1, AMAX_BLOCK = 2 };
+ * ceil(cols / block) per row, the order of BlockLayout's zero-padded blocks), or each block's own max |x|
+ * (AMAX_DYNAMIC; `amax` unused). */
+enum { AMAX_TENSOR = 0, AMAX_ROW = 1, AMAX_BLOCK = 2, AMAX_DYNAMIC = 3 };
 
-static inline float amax_at(const float *amax, int mode, int64_t r, int64_t b, int64_t blocks_per_row) {
+/* max |x| of n floats from their bit patterns (sign cleared): non-negative floats order as their bits do,
+ * and a NaN (bits above inf's) wins, as torch's amax propagates NaN */
+static inline float abs_max(const float *x, int64_t n) {
+    uint32_t m = 0;
+    for (int64_t c = 0; c < n; c++) {
+        uint32_t u = bits_of(x[c]) & 0x7FFFFFFFu;
+        m = u > m ? u : m;
+    }
+    return float_of(m);
+}
+
+static inline float amax_at(const float *amax, int mode, int64_t r, int64_t b, int64_t blocks_per_row,
+                            const float *xs, int64_t n) {
+    if (mode == AMAX_DYNAMIC) return abs_max(xs, n);
     return amax[mode == AMAX_TENSOR ? 0 : mode == AMAX_ROW ? r : r * blocks_per_row + b];
 }
 
@@ -92,11 +106,11 @@ void mol_fp8(const float *x, float *out, int64_t rows, int64_t cols, int64_t blo
 #pragma omp parallel for schedule(static) num_threads(threads) if (parallel(rows, cols, PARALLEL_MIN_ELEMENTS))
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t b = 0; b < nb; b++) {
-            float a = amax_at(amax, mode, r, b, nb);
-            a = a <= 0x1p-24f ? 1.0f : a;
-            const float s = (1.0f / a) * max_value, inv = 1.0f / s;
             const int64_t start = r * cols + b * block, n = b + 1 < nb ? block : cols - b * block;
             const float *xs = x + start;
+            float a = amax_at(amax, mode, r, b, nb, xs, n);
+            a = a <= 0x1p-24f ? 1.0f : a;
+            const float s = (1.0f / a) * max_value, inv = 1.0f / s;
             float *ys = out + start;
             for (int64_t c = 0; c < n; c++) {
                 float y = clamp_keep_nan(xs[c] * s, -max_value, max_value);
@@ -117,11 +131,11 @@ void mol_int(const float *x, float *out, int64_t rows, int64_t cols, int64_t blo
 #pragma omp parallel for schedule(static) num_threads(threads) if (parallel(rows, cols, PARALLEL_MIN_ELEMENTS))
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t b = 0; b < nb; b++) {
-            const float a = amax_at(amax, mode, r, b, nb);
-            const int tiny = a <= 0x1p-24f;
-            const float s = hi / (tiny ? 1.0f : a);
             const int64_t start = r * cols + b * block, n = b + 1 < nb ? block : cols - b * block;
             const float *xs = x + start;
+            const float a = amax_at(amax, mode, r, b, nb, xs, n);
+            const int tiny = a <= 0x1p-24f;
+            const float s = hi / (tiny ? 1.0f : a);
             float *ys = out + start;
             if (tiny) {
                 for (int64_t c = 0; c < n; c++) ys[c] = round_int(clamp_keep_nan(xs[c] * s, lo, hi)) / s * 0.0f;
@@ -132,22 +146,25 @@ void mol_int(const float *x, float *out, int64_t rows, int64_t cols, int64_t blo
     }
 }
 
-/* nvfp4.nvfp4_fake_quant with one global amax, blocks of `block` contiguous elements (`blocks` of them):
+/* nvfp4.nvfp4_fake_quant, blocks of `block` contiguous elements (`blocks` of them) in groups of
+ * `group_blocks` sharing one global amax (one group: the tensor's; several: one per expert of a batch).
  * s2 = global_amax / 2688; per block the amax from |x|'s bit patterns, its FP8 scale
- * (nvfp4.nvfp4_block_scales) times s2 = step; out = e2m1_round(|x| / step) with x's sign, times step. */
-void mol_nvfp4(const float *x, float *out, int64_t blocks, int64_t block, float global_amax, int threads) {
-    const float s2 = global_amax / 2688.0f, denom = s2 * 6.0f;
+ * (nvfp4.nvfp4_block_scales) times s2 = step; out = e2m1_round(|x| / step) with x's sign, times step.
+ * A group whose global amax is at or below 2**-24 is all zero. */
+void mol_nvfp4(const float *x, float *out, int64_t blocks, int64_t block, const float *global_amax,
+               int64_t group_blocks, int threads) {
     const uint32_t e4m3_min = (uint32_t)(-6 + 127) << 23, e4m3_shift = 3u << 23;
 #pragma omp parallel for schedule(static) num_threads(threads) if (parallel(blocks, block, PARALLEL_MIN_BLOCK_ELEMENTS))
     for (int64_t b = 0; b < blocks; b++) {
         const float *xb = x + b * block;
         float *yb = out + b * block;
-        uint32_t amax_bits = 0;
-        for (int64_t c = 0; c < block; c++) {
-            uint32_t u = bits_of(xb[c]) & 0x7FFFFFFFu;
-            amax_bits = u > amax_bits ? u : amax_bits;
+        const float g = global_amax[b / group_blocks];
+        if (g <= 0x1p-24f) {
+            for (int64_t c = 0; c < block; c++) yb[c] = 0.0f;
+            continue;
         }
-        float s = float_of(amax_bits) / denom;
+        const float s2 = g / 2688.0f;
+        float s = abs_max(xb, block) / (s2 * 6.0f);
         s = s == 0.0f ? 1.0f : s;
         s = minifloat_round(clamp_keep_nan(s, 0x1p-9f, 448.0f), e4m3_min, e4m3_shift);
         const float step = s * s2;
@@ -157,8 +174,47 @@ void mol_nvfp4(const float *x, float *out, int64_t blocks, int64_t block, float 
             m = m > 6.0f ? 6.0f : m;
             /* rounding.e2m1_round: E2M1 = a minifloat with min_exp 0 and one mantissa bit */
             m = minifloat_round(m, 127u << 23, 1u << 23);
-            m = float_of(bits_of(m) | (v & 0x80000000u));
-            yb[c] = m * step;
+            yb[c] = float_of(bits_of(m) | (v & 0x80000000u)) * step;
+        }
+    }
+}
+
+/* mx.mx_fake_quant, blocks of `block` along each row (the last one possibly shorter): the E8M0 exponent
+ * floor(log2(block amax)) - emax (torch.frexp's: an inf amax counts as 2**-1, a NaN or zero amax gives
+ * -127), clamped to [-127, 127]; elements x / 2**exp rounded in the element format (min_exp, man_bits,
+ * saturating at max_value; man_bits < 0: MXINT8, round(x * 64) clamped to +-127, / 64), times 2**exp. */
+void mol_mx(const float *x, float *out, int64_t rows, int64_t cols, int64_t block, int min_exp, int man_bits,
+            float max_value, int emax, int threads) {
+    const int64_t nb = (cols + block - 1) / block;
+    const uint32_t min_field = (uint32_t)(min_exp + 127) << 23, man_shift = (uint32_t)(man_bits < 0 ? 0 : man_bits) << 23;
+#pragma omp parallel for schedule(static) num_threads(threads) if (parallel(rows, cols, PARALLEL_MIN_BLOCK_ELEMENTS))
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t start = r * cols + b * block, n = b + 1 < nb ? block : cols - b * block;
+            const float *xs = x + start;
+            float *ys = out + start;
+            const float a = abs_max(xs, n);
+            const uint32_t ab = bits_of(a);
+            int e;
+            if (!(a > 0.0f)) e = -127;                             /* zero or NaN */
+            else if (ab >= 0x7F800000u) e = -1 - emax;             /* inf: frexp's exponent 0 */
+            else if (ab >= 0x00800000u) e = (int)(ab >> 23) - 127 - emax;
+            else e = -127;                                         /* subnormal: below -126 - emax */
+            e = e < -127 ? -127 : (e > 127 ? 127 : e);
+            const float scale = e >= -126 ? float_of((uint32_t)(e + 127) << 23) : 0x1p-127f;
+            if (man_bits < 0) {
+                for (int64_t c = 0; c < n; c++) {
+                    float v = clamp_keep_nan((xs[c] / scale) * 64.0f, -127.0f, 127.0f);
+                    ys[c] = (round_int(v) / 64.0f) * scale;
+                }
+            } else {
+                for (int64_t c = 0; c < n; c++) {
+                    const uint32_t v = bits_of(xs[c] / scale);
+                    float m = float_of(v & 0x7FFFFFFFu);
+                    m = minifloat_round(m > max_value ? max_value : m, min_field, man_shift);
+                    ys[c] = float_of(bits_of(m) | (v & 0x80000000u)) * scale;
+                }
+            }
         }
     }
 }

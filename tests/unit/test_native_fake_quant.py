@@ -37,6 +37,15 @@ FORMATS = {
     "fp8 block-16": {"num_bits": (4, 3), "block_sizes": {-1: 16}},
     "nvfp4": NVFP4,
     "nvfp4 static global amax": NVFP4,
+    "nvfp4 global amax per expert": NVFP4,
+    "fp8 amax per expert": {"num_bits": (4, 3)},
+    "int8 amax per expert": {"num_bits": 8},
+    "fp8 per-token dynamic": {"num_bits": (4, 3), "block_sizes": {-1: None, "type": "dynamic"}},
+    "int8 block-32 dynamic": {"num_bits": 8, "block_sizes": {-1: 32, "type": "dynamic"}},
+    "mxfp8": {"num_bits": (4, 3), "block_sizes": {-1: 32, "type": "dynamic", "scale_bits": (8, 0)}},
+    "mxfp6 e3m2": {"num_bits": (3, 2), "block_sizes": {-1: 32, "type": "dynamic", "scale_bits": (8, 0)}},
+    "mxfp4": {"num_bits": (2, 1), "block_sizes": {-1: 32, "type": "dynamic", "scale_bits": (8, 0)}},
+    "mxint8": {"num_bits": 8, "block_sizes": {-1: 32, "type": "dynamic", "scale_bits": (8, 0)}},
 }
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SPECIAL = (0.0, -0.0, float("inf"), float("-inf"), float("nan"), 2.0**-149, -(2.0**-126), 1e30)
@@ -54,10 +63,17 @@ def native_on():
         native_mod._state.update(saved)
 
 
-def _amax(x: torch.Tensor, spec, name: str) -> torch.Tensor:
-    """A calibrated amax of the finite part of ``x`` (NVFP4: its global amax), some of it scaled down so
-    that values clip, and one row / block amax zero when there are several."""
+def _amax(x: torch.Tensor, spec, name: str) -> torch.Tensor | None:
+    """A calibrated amax of the finite part of ``x`` (NVFP4: its global amax; per expert: one per index of
+    the first axis, shaped ``(E, 1, ...)``), scaled down so that values clip, and one row / block / expert
+    amax zero when there are several; ``None`` for the formats that take their amax from the input."""
     finite = torch.where(torch.isfinite(x.float()), x.float(), torch.zeros(()))
+    if name == "nvfp4" or (not spec.needs_amax and spec.kind != "nvfp4"):
+        return None
+    if "per expert" in name:
+        amax = finite.abs().amax(dim=tuple(range(1, x.ndim)), keepdim=True) * 0.75
+        amax.view(-1)[-1] = 0.0
+        return amax
     if spec.kind == "nvfp4":
         return finite.abs().amax() * 0.75
     amax = reduce_amax(finite, spec) * 0.75
@@ -78,7 +94,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     name=st.sampled_from(sorted(FORMATS)),
     dtype=st.sampled_from(DTYPES),
@@ -104,7 +120,7 @@ def test_native_equals_reference_bit_for_bit(
         values = torch.tensor([v for v in SPECIAL if not (spec.unsigned and v < 0)])
         x.view(-1)[torch.randint(x.numel(), (len(values),), generator=gen)] = values
     x = x.to(dtype)
-    amax = _amax(x, spec, name) if name != "nvfp4" else None  # dynamic NVFP4: the input's own global amax
+    amax = _amax(x, spec, name)  # dynamic NVFP4 / blocks / MX: None, the input's own
     out = torch.empty(x.shape) if buffer else None
     res, calls = _quantize(x, spec, amax, out)
     assert calls == 1, f"{name}: the native kernel fell back to the reference"
@@ -168,8 +184,8 @@ def test_off_switch_and_environment_variable(native_on, monkeypatch):
         "float64",
         "strided",
         "NVFP4 not whole blocks",
-        "NVFP4 global amax per expert",
-        "MXFP4",
+        "NVFP4 global amax shared across experts",
+        "2-D blocks",
         "per-channel axis 1",
     ],
 )
@@ -181,13 +197,15 @@ def test_uncovered_input_runs_the_reference_with_one_debug_line(native_on, lib_c
         x = torch.randn(4, 128)[:, ::2]
     elif case == "NVFP4 not whole blocks":
         spec, x = resolve_format(**NVFP4), torch.randn(4, 40)
-    elif case == "MXFP4":
-        spec = resolve_format(num_bits=(2, 1), block_sizes={-1: 32, "type": "dynamic", "scale_bits": (8, 0)})
+    elif case == "2-D blocks":
+        spec, x = resolve_format(num_bits=4, block_sizes={-1: 16, -2: 16}), torch.randn(32, 64)
     elif case == "per-channel axis 1":
         spec = resolve_format(num_bits=8, axis=1)
-    elif case == "NVFP4 global amax per expert":
+    elif (
+        case == "NVFP4 global amax shared across experts"
+    ):  # one per (expert, row): not a run of whole blocks per amax
         spec, x = resolve_format(**NVFP4), torch.randn(2, 8, 64)
-    amax = x.abs().amax(dim=(1, 2), keepdim=True) if x.ndim == 3 else None
+    amax = x.abs().amax(dim=(0, 2), keepdim=True) if x.ndim == 3 else None
     if amax is None and spec.needs_amax:
         amax = reduce_amax(x, spec)
     with lib_caplog.at_level(logging.DEBUG, logger="modelopt_lite"):
@@ -211,12 +229,13 @@ def test_wrong_input_still_raises_the_reference_error(native_on):
     assert native_fake_quant_enabled()  # a user error does not turn the kernels off
 
 
-def test_zero_global_amax_nvfp4_runs_the_reference(native_on):
+def test_zero_global_amax_nvfp4_gives_zeros(native_on):
     spec = resolve_format(**NVFP4)
-    x = torch.zeros(4, 32)
+    x = torch.randn(4, 32)
     out, calls = _quantize(x, spec, torch.zeros(()))
-    assert calls == 0
+    assert calls == 1
     assert torch.equal(out, torch.zeros_like(x))
+    assert torch.equal(out, fake_quant_reference(x, spec, torch.zeros(())))
 
 
 def test_failed_build_warns_once_then_reference(native_on, lib_caplog, monkeypatch, tmp_path):

@@ -20,6 +20,7 @@ from ..formats import (
     native,
 )
 from ..formats.functional import out_supported
+from . import shared_outputs
 from .calibrators import BiasCalibrator, Calibrator, bias_settings, make_calibrator
 from .quantizer_attributes import QuantizerAttributes
 from .quantizer_buffers import QuantizerBuffers
@@ -31,6 +32,11 @@ _BACKWARDS = ("pass_through", "clipped")
 
 class TensorQuantizer(QuantizerBuffers):
     """Fake-quantize a tensor in one format; calibrate its amax; keep it in ``state_dict``."""
+
+    #: Hand the fake quant this quantizer computed for an input to the next quantizer that gets the very same
+    #: tensor with the same format and amax (q / k / v, gate / up projections; see :mod:`.shared_outputs`).
+    #: ``False`` makes every quantizer compute its own (the same values).
+    share_outputs: bool = True
 
     def __init__(
         self,
@@ -307,9 +313,23 @@ class TensorQuantizer(QuantizerBuffers):
                 out = fake_quant_learnable(x, self._spec, self._amax)
             else:
                 clip = self._attrs.backward == "clipped"
-                takes_out = out_supported(x, self._spec) or native.takes(x, self._spec, self._amax)
-                buf = self.output_buffer(x) if bias is None and takes_out else None
-                out = fake_quant(x, self._spec, self._amax, clip, self._global_amax, buf)
+                share = (
+                    bias is None
+                    and self.share_outputs
+                    and not isinstance(x, torch.nn.Parameter)  # weights: never shared, and they live on
+                    and not torch.compiler.is_compiling()
+                )
+                out = (
+                    shared_outputs.lookup(x, self._spec, clip, self._amax, self._global_amax)
+                    if share
+                    else None
+                )
+                if out is None:
+                    takes_out = out_supported(x, self._spec) or native.takes(x, self._spec, self._amax)
+                    buf = self.output_buffer(x) if bias is None and takes_out else None
+                    out = fake_quant(x, self._spec, self._amax, clip, self._global_amax, buf)
+                    if share:
+                        shared_outputs.store(x, self._spec, clip, self._amax, self._global_amax, out)
         except ValueError as err:
             raise ValueError(f"{self.name}: {err}") from None
         return out if bias is None else out + bias

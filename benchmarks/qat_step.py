@@ -1,7 +1,7 @@
 """QAT training-step time through the real trainers: ``QATTrainer`` / plain ``transformers.Trainer``.
 
     OMP_NUM_THREADS=2 python benchmarks/qat_step.py [--steps 5] [--warmup 2] [--rounds 1] [--quick] [--json F]
-        [--malloc both|on|off] [--interleaved]
+        [--malloc both|on|off] [--interleaved [--levers-off]]
 
 ``--interleaved``: instead of a process per trainer, one process per allocator setting (and round) holds the
 plain ``Trainer`` and a ``QATTrainer`` per preset, and their optimizer steps are taken in turn (plain, FP8,
@@ -9,6 +9,9 @@ NVFP4, INT4, plain, ...), so that other jobs on a shared machine slow every trai
 from the same process. Each step is the one ``Trainer.train()`` takes (``training_step``, clipping,
 ``optimizer.step()``, scheduler, ``zero_grad``, the ``on_step_end`` callbacks); the allocator setting is
 applied to the whole process (``malloc_tuned()``) for ``on``. No reference column. Wall and CPU seconds.
+``--levers-off`` adds, per preset, a second ``QATTrainer`` whose steps run with the native fake-quant
+kernels and the shared outputs of identical inputs turned off (``set_native_fake_quant(False)``,
+``TensorQuantizer.share_outputs = False`` around its steps): what the two levers buy, in the same process.
 
 Model: ``LlamaForCausalLM`` from a config (hidden 256, intermediate 688, 4 layers, 4 heads / 2 KV heads,
 vocab 4096 or ``--vocab``), fp32, ``torch.manual_seed(0)``. Data: ``--warmup + --steps`` batches of 4x128
@@ -213,7 +216,28 @@ def _child(
     }  # fmt: skip
 
 
-def _interleaved(configs: list[str], threads: int, warmup: int, steps: int, malloc: str, vocab: int) -> dict:
+#: suffix of the trainers ``--levers-off`` adds: the same preset, stepped with the native kernels and the
+#: shared outputs off (the eager formulas, every quantizer its own fake quant)
+LEVERS_OFF = " (native kernels, sharing off)"
+
+
+def _levers(on: bool) -> None:
+    from modelopt_lite.formats import set_native_fake_quant
+    from modelopt_lite.nn import TensorQuantizer
+
+    set_native_fake_quant(on)
+    TensorQuantizer.share_outputs = on
+
+
+def _interleaved(
+    configs: list[str],
+    threads: int,
+    warmup: int,
+    steps: int,
+    malloc: str,
+    vocab: int,
+    levers_off: bool = False,
+) -> dict:
     """``--interleaved``: the plain ``Trainer`` and a ``QATTrainer`` per preset in one process, their
     optimizer steps taken in turn (plain, each preset, plain, ...), so that a shared machine's load drifts
     over every trainer alike. Each step is the one ``Trainer.train()`` takes: ``training_step`` (ours
@@ -235,7 +259,7 @@ def _interleaved(configs: list[str], threads: int, warmup: int, steps: int, mall
     ids = torch.randint(0, vocab, (BATCH * (warmup + steps), SEQ), generator=gen)
     data = [{"input_ids": row, "labels": row} for row in ids]
     cpu_clock = time.thread_time if threads == 1 else time.process_time
-    names = ["plain", *configs]
+    names = ["plain", *configs] + ([c + LEVERS_OFF for c in configs] if levers_off else [])
     res: dict = {n: {"times": [], "cpu": [], "loss": []} for n in names}
     with contextlib.ExitStack() as stack:
         out = stack.enter_context(tempfile.TemporaryDirectory(prefix="qat_step_"))
@@ -253,7 +277,10 @@ def _interleaved(configs: list[str], threads: int, warmup: int, steps: int, mall
                 trainer = Trainer(model=model, args=args, train_dataset=data)
             else:
                 quant = QuantizationArguments(
-                    recipe=name, calib_size=CALIB_SAMPLES, calib_batch_size=BATCH, malloc_tuning="off"
+                    recipe=name.removesuffix(LEVERS_OFF),
+                    calib_size=CALIB_SAMPLES,
+                    calib_batch_size=BATCH,
+                    malloc_tuning="off",
                 )  # the allocator setting is the whole process's here
                 trainer = QATTrainer(model=model, args=args, train_dataset=data, quant_args=quant)
                 trainer.quantize_model()
@@ -265,6 +292,7 @@ def _interleaved(configs: list[str], threads: int, warmup: int, steps: int, mall
             batch = trainers["plain"].data_collator(data[step * BATCH : (step + 1) * BATCH])
             for name, trainer in trainers.items():
                 model, state = trainer.model, trainer.state
+                _levers(not name.endswith(LEVERS_OFF))
                 start, cpu0 = time.perf_counter(), cpu_clock()
                 loss = trainer.training_step(model, dict(batch))
                 torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
@@ -294,7 +322,9 @@ def _main_interleaved(args, configs: list[str], mallocs: list[str]) -> None:
         for malloc in mallocs:
             cmd = [sys.executable, os.path.abspath(__file__), "--child", "interleaved", "--configs", *configs]
             cmd += ["--threads", str(args.threads), "--warmup", str(args.warmup), "--steps", str(args.steps)]
-            cmd += ["--malloc", malloc, "--vocab", str(args.vocab)]
+            cmd += ["--malloc", malloc, "--vocab", str(args.vocab)] + (
+                ["--levers-off"] if args.levers_off else []
+            )
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
             found = h.parse_results(proc.stdout)
             res = found[-1] if found else h.crash_error(proc)
@@ -489,13 +519,19 @@ def main() -> None:
         help="one process per allocator setting: plain and every preset's steps taken in turn (ratios from "
         "the same process; no reference)",
     )  # fmt: skip
+    parser.add_argument(
+        "--levers-off", action="store_true",
+        help="with --interleaved: also each preset with the native kernels and shared outputs off",
+    )  # fmt: skip
     parser.add_argument("--child", choices=["plain", "ours", "ref", "interleaved"], help=argparse.SUPPRESS)
     parser.add_argument("--config", default="none", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child == "interleaved":
         a = args
         configs = a.configs or CONFIGS
-        h.run_and_emit(lambda: _interleaved(configs, a.threads, a.warmup, a.steps, a.malloc, a.vocab), 300)
+        h.run_and_emit(
+            lambda: _interleaved(configs, a.threads, a.warmup, a.steps, a.malloc, a.vocab, a.levers_off), 300
+        )
         return
     if args.child:
         a = args

@@ -26,3 +26,20 @@ def test_interleaved_steps_every_trainer_in_turn():
         assert r["loss"][0] != r["loss"][-1]  # the optimizer stepped
     # same seed, data and steps: only the fake quantization tells the two apart
     assert res["plain"]["loss"][0] != res["FP8_DEFAULT_CFG"]["loss"][0]
+
+
+def test_levers_off_trains_the_same_bits_with_the_eager_formulas():
+    """``--levers-off``: the same preset with the native kernels and shared outputs off takes the same steps
+    (its losses equal the default trainer's bit for bit), and the levers are on again afterwards."""
+    from modelopt_lite.formats import native_fake_quant_enabled
+    from modelopt_lite.nn import TensorQuantizer
+
+    out = qat_step._interleaved(
+        ["NVFP4_DEFAULT_CFG"], threads=1, warmup=1, steps=2, malloc="off", vocab=128, levers_off=True
+    )
+    res = out["results"]
+    off = "NVFP4_DEFAULT_CFG" + qat_step.LEVERS_OFF
+    assert list(res) == ["plain", "NVFP4_DEFAULT_CFG", off]
+    assert res[off]["loss"] == res["NVFP4_DEFAULT_CFG"]["loss"]
+    assert native_fake_quant_enabled()
+    assert TensorQuantizer.share_outputs

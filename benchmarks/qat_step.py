@@ -306,6 +306,7 @@ def _interleaved(
                 if step >= warmup:
                     res[name]["times"].append(wall)
                     res[name]["cpu"].append(cpu)
+        _levers(True)  # the defaults again
         for trainer in trainers.values():
             policy = getattr(trainer, "gc_policy", None)
             if policy is not None:

@@ -146,6 +146,24 @@ void mol_int(const float *x, float *out, int64_t rows, int64_t cols, int64_t blo
     }
 }
 
+/* one NVFP4 block: its amax, FP8 scale (nvfp4.nvfp4_block_scales) times s2 = step, then
+ * e2m1_round(|x| / step) with x's sign, times step */
+static inline void nvfp4_block(const float *xb, float *yb, int64_t block, float s2, float denom) {
+    const uint32_t e4m3_min = (uint32_t)(-6 + 127) << 23, e4m3_shift = 3u << 23;
+    float s = abs_max(xb, block) / denom;
+    s = s == 0.0f ? 1.0f : s;
+    s = minifloat_round(clamp_keep_nan(s, 0x1p-9f, 448.0f), e4m3_min, e4m3_shift);
+    const float step = s * s2;
+    for (int64_t c = 0; c < block; c++) {
+        const uint32_t v = bits_of(xb[c]);
+        float m = float_of(v & 0x7FFFFFFFu) / step;
+        m = m > 6.0f ? 6.0f : m;
+        /* rounding.e2m1_round: E2M1 = a minifloat with min_exp 0 and one mantissa bit */
+        m = minifloat_round(m, 127u << 23, 1u << 23);
+        yb[c] = float_of(bits_of(m) | (v & 0x80000000u)) * step;
+    }
+}
+
 /* nvfp4.nvfp4_fake_quant, blocks of `block` contiguous elements (`blocks` of them) in groups of
  * `group_blocks` sharing one global amax (one group: the tensor's; several: one per expert of a batch).
  * s2 = global_amax / 2688; per block the amax from |x|'s bit patterns, its FP8 scale
@@ -153,28 +171,21 @@ void mol_int(const float *x, float *out, int64_t rows, int64_t cols, int64_t blo
  * A group whose global amax is at or below 2**-24 is all zero. */
 void mol_nvfp4(const float *x, float *out, int64_t blocks, int64_t block, const float *global_amax,
                int64_t group_blocks, int threads) {
-    const uint32_t e4m3_min = (uint32_t)(-6 + 127) << 23, e4m3_shift = 3u << 23;
-#pragma omp parallel for schedule(static) num_threads(threads) if (parallel(blocks, block, PARALLEL_MIN_BLOCK_ELEMENTS))
-    for (int64_t b = 0; b < blocks; b++) {
-        const float *xb = x + b * block;
-        float *yb = out + b * block;
-        const float g = global_amax[b / group_blocks];
-        if (g <= 0x1p-24f) {
-            for (int64_t c = 0; c < block; c++) yb[c] = 0.0f;
+    const int64_t groups = blocks / group_blocks;
+    /* every thread walks the groups (one global scale each, computed once) and shares each group's blocks */
+#pragma omp parallel num_threads(threads) if (parallel(blocks, block, PARALLEL_MIN_BLOCK_ELEMENTS))
+    for (int64_t grp = 0; grp < groups; grp++) {
+        const float g = global_amax[grp];
+        const float s2 = g / 2688.0f, denom = s2 * 6.0f;
+        const int64_t first = grp * group_blocks * block, n = group_blocks * block;
+        if (g <= 0x1p-24f) { /* all zero */
+#pragma omp for schedule(static)
+            for (int64_t i = first; i < first + n; i++) out[i] = 0.0f;
             continue;
         }
-        const float s2 = g / 2688.0f;
-        float s = abs_max(xb, block) / (s2 * 6.0f);
-        s = s == 0.0f ? 1.0f : s;
-        s = minifloat_round(clamp_keep_nan(s, 0x1p-9f, 448.0f), e4m3_min, e4m3_shift);
-        const float step = s * s2;
-        for (int64_t c = 0; c < block; c++) {
-            const uint32_t v = bits_of(xb[c]);
-            float m = float_of(v & 0x7FFFFFFFu) / step;
-            m = m > 6.0f ? 6.0f : m;
-            /* rounding.e2m1_round: E2M1 = a minifloat with min_exp 0 and one mantissa bit */
-            m = minifloat_round(m, 127u << 23, 1u << 23);
-            yb[c] = float_of(bits_of(m) | (v & 0x80000000u)) * step;
+#pragma omp for schedule(static)
+        for (int64_t b = grp * group_blocks; b < (grp + 1) * group_blocks; b++) {
+            nvfp4_block(x + b * block, out + b * block, block, s2, denom);
         }
     }
 }

@@ -1,5 +1,6 @@
-"""Fake-quant throughput per format: the fused (compiled) CPU path, the eager reference path, the two memory
-floors, and nvidia-modelopt when it is importable, all measured in the same process.
+"""Fake-quant throughput per format: the native CPU kernels (the default path), the fused (compiled) path,
+the eager reference path, the two memory floors, and nvidia-modelopt when it is importable, all measured in
+the same process.
 
     OMP_NUM_THREADS=2 python benchmarks/fake_quant.py [--threads 1 2] [--repeats 7] [--json out.json]
 
@@ -7,15 +8,19 @@ Shapes: a 4096x4096 fp32 weight and an 8x512x4096 fp32 activation, amax precompu
 only. For every format and thread count it prints the min and median of ``--repeats`` timed runs in
 M elements/s of
 
-- ``fused``: our fake quant with the fused path on (``set_fused_fake_quant(True, min_numel=0)``; its compile
-  happens in the untimed warm-up call and is printed separately),
-- ``eager``: our fake quant with the fused path off (the reference formulas, run eagerly),
+- ``native``: our fake quant as it runs by default, the native one-pass kernels (``formats.native``; the
+  rows say when a case is not covered and fell back), into a fresh output,
+- ``native+buf``: the same into an output buffer kept between calls (``out=``, what a quantizer does in
+  training), so no allocation and no page faults: compare it with ``copy_``,
+- ``fused``: our fake quant with the compiled path on and the native kernels off
+  (``set_fused_fake_quant(True, min_numel=0)``; its compile happens in the untimed warm-up call),
+- ``eager``: our fake quant with both off (the reference formulas, run eagerly),
 - the floors, measured right before each case on the same tensor: ``clone`` (one read, one write into a
   freshly allocated output, as fake quant does) and ``copy_`` (one read, one write into an existing buffer),
 
-and each of fused / eager as a fraction of both floors (medians). When ``modelopt`` (the reference library,
+and each path as a fraction of both floors (medians). When ``modelopt`` (the reference library,
 installed in a separate virtualenv and never a dependency of ours) imports, the same tensors go through its
-``TensorQuantizer`` in the same process and the table adds the speed ratio (fused / reference, from the
+``TensorQuantizer`` in the same process and the table adds the speed ratio (native / reference, from the
 medians and from the mins) and whether the outputs are bit-identical (``torch.equal``). To run both in one
 process, put this checkout on the reference venv's path:
 
@@ -38,10 +43,15 @@ import torch
 from modelopt_lite.formats import (
     fake_quant,
     fused_call_count,
+    native_call_count,
     reduce_amax,
     resolve_format,
     set_fused_fake_quant,
+    set_native_fake_quant,
 )
+from modelopt_lite.formats.functional import dispatch_fake_quant
+
+PATHS = ("native", "native+buf", "fused", "eager", "clone", "copy")
 
 NVFP4 = {"num_bits": (2, 1), "block_sizes": {-1: 16, "type": "dynamic", "scale_bits": (4, 3)}}
 MXFP8 = {"num_bits": (4, 3), "block_sizes": {-1: 32, "type": "dynamic", "scale_bits": (8, 0)}}
@@ -106,12 +116,20 @@ def run(threads: list[int], repeats: int, scale: int, cases: list[str] | None = 
             with torch.no_grad():
                 clone_t, _, _ = _time(x.clone, repeats)
                 copy_t, _, _ = _time(lambda x=x, b=buf: b.copy_(x), repeats)
+                set_native_fake_quant(False)
                 set_fused_fake_quant(False)
                 eager_t, eager_out, _ = _time(lambda x=x, s=spec, a=amax: fake_quant(x, s, a), repeats)
                 set_fused_fake_quant(True, min_numel=0)
                 calls = fused_call_count()
                 quantize = lambda x=x, s=spec, a=amax: fake_quant(x, s, a)  # noqa: E731
                 fused_t, fused_out, compile_s = _time(quantize, repeats)
+                fused_ran = fused_call_count() - calls == repeats + 1
+                set_fused_fake_quant(False)
+                set_native_fake_quant(True)
+                calls = native_call_count()
+                native_t, native_out, build_s = _time(quantize, repeats)
+                into = lambda x=x, s=spec, a=amax, b=buf: dispatch_fake_quant(x, s, a, None, b)  # noqa: E731
+                buf_t, buf_out, _ = _time(into, repeats)
                 row = {
                     "case": name,
                     "shape": list(x.shape),
@@ -120,15 +138,22 @@ def run(threads: list[int], repeats: int, scale: int, cases: list[str] | None = 
                     "copy_s": copy_t,
                     "eager_s": eager_t,
                     "fused_s": fused_t,
+                    "native_s": native_t,
+                    "native+buf_s": buf_t,
                     "fused_first_call_s": compile_s,
-                    "fused_ran": fused_call_count() - calls == repeats + 1,
+                    "native_first_call_s": build_s,
+                    "fused_ran": fused_ran,
+                    "native_ran": native_call_count() - calls == 2 * (repeats + 1),
                     "fused_equals_eager": bool(torch.equal(fused_out, eager_out)),
+                    "native_equals_eager": bool(
+                        torch.equal(native_out, eager_out) and torch.equal(buf_out, eager_out)
+                    ),
                 }
                 if ref_q is not None:
                     try:
                         ref_t, ref_out, _ = _time(lambda x=x, q=ref_q: q(x), repeats)
                         row["ref_s"] = ref_t
-                        row["bit_identical"] = bool(torch.equal(fused_out, ref_out))
+                        row["bit_identical"] = bool(torch.equal(native_out, ref_out))
                     except Exception as err:  # the reference's CUDA-only paths fail on CPU
                         row["ref_error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:80]}"
             rows.append(row)
@@ -141,26 +166,34 @@ def _mels(numel: int, seconds: float) -> float:
 
 
 def _print_row(row: dict, numel: int) -> None:
-    med = {k: statistics.median(row[f"{k}_s"]) for k in ("clone", "copy", "eager", "fused")}
-    low = {k: min(row[f"{k}_s"]) for k in ("clone", "copy", "eager", "fused")}
+    med = {k: statistics.median(row[f"{k}_s"]) for k in PATHS}
+    low = {k: min(row[f"{k}_s"]) for k in PATHS}
 
     def speed(k: str) -> str:
         return f"{_mels(numel, low[k]):6.0f}/{_mels(numel, med[k]):6.0f}"
 
-    line = (
-        f"{row['case']:<22} t={row['threads']} min/med Melem/s: fused {speed('fused')} eager {speed('eager')}"
-        f" clone {speed('clone')} copy_ {speed('copy')} | fused/eager x{med['eager'] / med['fused']:4.2f}"
-        f" | of clone: fused {med['clone'] / med['fused']:4.2f} eager {med['clone'] / med['eager']:4.2f}"
-        f" | of copy_: fused {med['copy'] / med['fused']:4.2f} eager {med['copy'] / med['eager']:4.2f}"
-        f" | first call {row['fused_first_call_s']:5.2f}s"
-        f"{'' if row['fused_ran'] else ' FUSED PATH NOT TAKEN'}"
-        f"{'' if row['fused_equals_eager'] else ' FUSED != EAGER'}"
+    line = f"{row['case']:<22} t={row['threads']} min/med Melem/s:" + "".join(
+        f" {k} {speed(k)}" for k in PATHS
     )
+    line += f" | native/eager x{med['eager'] / med['native']:4.2f}"
+    for floor in ("clone", "copy"):
+        line += f" | of {floor}:" + "".join(f" {k} {med[floor] / med[k]:4.2f}" for k in PATHS[:4])
+    line += (
+        f" | first call: native {row['native_first_call_s']:5.2f}s fused {row['fused_first_call_s']:5.2f}s"
+    )
+    flags = (
+        ("native_ran", " NATIVE PATH NOT TAKEN"),
+        ("fused_ran", " FUSED PATH NOT TAKEN"),
+        ("native_equals_eager", " NATIVE != EAGER"),
+        ("fused_equals_eager", " FUSED != EAGER"),
+    )
+    line += "".join(text for key, text in flags if not row[key])
     if "ref_s" in row:
         ref = row["ref_s"]
         line += (
             f" | ref {_mels(numel, min(ref)):6.0f}/{_mels(numel, statistics.median(ref)):6.0f}"
-            f" fused/ref x{statistics.median(ref) / med['fused']:5.2f} (med) x{min(ref) / low['fused']:5.2f}"
+            f" native/ref x{statistics.median(ref) / med['native']:5.2f} (med)"
+            f" x{min(ref) / low['native']:5.2f}"
             f" (min) eager/ref x{statistics.median(ref) / med['eager']:5.2f} (med)"
             f" | bit-identical: {row['bit_identical']}"
         )

@@ -47,6 +47,7 @@ from ._blocks import BlockLayout
 from .fp8 import fp8_apply, fp8_scales, fp8_spec
 from .integer import check_unsigned, int_apply, int_bounds
 from .mx import _MXINT8_FRAC_BITS, _element, mx_scale_exponent
+from .native import cpu_input_reason
 from .nvfp4 import nvfp4_block_scales, nvfp4_global_scale
 from .rounding import TINY_AMAX, minifloat_round
 from .spec import FormatSpec
@@ -69,7 +70,6 @@ ENV_VAR = "MODELOPT_LITE_FUSED_FAKE_QUANT"
 DEFAULT_MIN_NUMEL = 1 << 20
 #: the format kinds with a fused kernel
 FUSED_KINDS = frozenset({"int", "fp8", "nvfp4", "mx"})
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: the compile backend (a test replaces it to simulate a compile failure)
 _BACKEND: str | Callable = "inductor"
 
@@ -260,12 +260,9 @@ def _kernel(key: tuple, make: Callable[[FormatSpec], Callable], spec: FormatSpec
 # --------------------------------------------------------------------------- dispatch
 def _not_covered(x: torch.Tensor, spec: FormatSpec, amax, global_amax) -> str | None:
     """Why the fused path does not take this call, or ``None`` when it does."""
-    if x.device.type != "cpu":
-        return f"device {x.device.type}"
-    if type(x) not in (torch.Tensor, torch.nn.Parameter):
-        return f"tensor subclass {type(x).__name__}"
-    if x.dtype not in _DTYPES:
-        return f"dtype {x.dtype}"
+    reason = cpu_input_reason(x)
+    if reason is not None:
+        return reason
     if spec.kind not in FUSED_KINDS:
         return f"format {spec.name}"
     if torch.is_grad_enabled() and x.requires_grad:

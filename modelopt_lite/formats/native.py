@@ -74,7 +74,8 @@ SOURCE = Path(__file__).with_name("native_kernels.c")
 _BASE_FLAGS = ["-O3", "-std=c11", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared"]
 #: flag sets tried in turn: the first that builds is used
 _FLAG_SETS = (["-march=native", "-fopenmp"], ["-fopenmp"], ["-march=native"], [])
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: input dtypes the CPU kernel paths take (computed in float32, cast back)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 _lock = threading.Lock()
 _state: dict = {"enabled": None, "lib": None, "broken": False, "calls": 0, "path": None}
@@ -279,13 +280,22 @@ def _layout(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None) -> tup
     return rows, cols, cols, _AMAX_ROW
 
 
-def _not_covered(x: torch.Tensor, spec: FormatSpec, amax, global_amax, autograd: bool = True) -> str | None:
+def cpu_input_reason(x: torch.Tensor, dtypes: tuple[torch.dtype, ...] = DTYPES) -> str | None:
+    """Why a CPU kernel path (native or fused) does not take ``x``: not on the CPU, a tensor subclass or
+    another dtype; ``None`` when it is a plain CPU tensor of one of ``dtypes``."""
     if x.device.type != "cpu":
         return f"device {x.device.type}"
     if type(x) not in (torch.Tensor, torch.nn.Parameter):
         return f"tensor subclass {type(x).__name__}"
-    if x.dtype not in _DTYPES:
+    if x.dtype not in dtypes:
         return f"dtype {x.dtype}"
+    return None
+
+
+def _not_covered(x: torch.Tensor, spec: FormatSpec, amax, global_amax, autograd: bool = True) -> str | None:
+    reason = cpu_input_reason(x)
+    if reason is not None:
+        return reason
     if not x.is_contiguous():
         return "strided input"
     if autograd and torch.is_grad_enabled() and x.requires_grad:

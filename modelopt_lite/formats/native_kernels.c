@@ -97,26 +97,24 @@ static inline float amax_at(const float *amax, int mode, int64_t r, int64_t b, i
     return amax[mode == AMAX_TENSOR ? 0 : mode == AMAX_ROW ? r : r * blocks_per_row + b];
 }
 
+/* the element formula of one segment of n elements sharing the amax `a` */
+enum { KIND_FP8 = 0, KIND_INT = 1 };
+typedef struct {
+    int kind;
+    uint32_t min_field, man_shift; /* FP8: the element format */
+    float max_value;               /* FP8: its largest value; INT: max_bound */
+    float lo;                      /* INT: min_bound */
+} element_params;
+
 /* fp8.fp8_scales + fp8.fp8_apply: scale = (1 / amax) * max (amax <= 2**-24 replaced by 1),
  * inv = 1 / scale, out = minifloat_round(clamp(x * scale, -max, max)) * inv */
-void mol_fp8(const float *x, float *out, int64_t rows, int64_t cols, int64_t block, const float *amax,
-             int mode, int min_exp, int man_bits, float max_value, int threads) {
-    const uint32_t min_field = (uint32_t)(min_exp + 127) << 23, man_shift = (uint32_t)man_bits << 23;
-    const int64_t nb = (cols + block - 1) / block;
-#pragma omp parallel for schedule(static) num_threads(threads) if (parallel(rows, cols, PARALLEL_MIN_ELEMENTS))
-    for (int64_t r = 0; r < rows; r++) {
-        for (int64_t b = 0; b < nb; b++) {
-            const int64_t start = r * cols + b * block, n = b + 1 < nb ? block : cols - b * block;
-            const float *xs = x + start;
-            float a = amax_at(amax, mode, r, b, nb, xs, n);
-            a = a <= 0x1p-24f ? 1.0f : a;
-            const float s = (1.0f / a) * max_value, inv = 1.0f / s;
-            float *ys = out + start;
-            for (int64_t c = 0; c < n; c++) {
-                float y = clamp_keep_nan(xs[c] * s, -max_value, max_value);
-                ys[c] = minifloat_round(y, min_field, man_shift) * inv;
-            }
-        }
+static inline void fp8_segment(const float *xs, float *ys, int64_t n, float a, const element_params *p) {
+    a = a <= 0x1p-24f ? 1.0f : a;
+    const float max_value = p->max_value, s = (1.0f / a) * max_value, inv = 1.0f / s;
+    const uint32_t min_field = p->min_field, man_shift = p->man_shift;
+    for (int64_t c = 0; c < n; c++) {
+        float y = clamp_keep_nan(xs[c] * s, -max_value, max_value);
+        ys[c] = minifloat_round(y, min_field, man_shift) * inv;
     }
 }
 
@@ -125,25 +123,44 @@ static inline float round_int(float v) { return round_to_step(v, 127u << 23); }
 /* integer.int_scale_keep + integer.int_apply: scale = max_bound / amax (amax <= 2**-24: amax 1 and the
  * output times 0), out = round_half_even(clamp(x * scale, lo, hi)) / scale (* keep): clamping first is the
  * same for integer bounds and keeps |v| small enough for round_to_step */
-void mol_int(const float *x, float *out, int64_t rows, int64_t cols, int64_t block, const float *amax,
-             int mode, float lo, float hi, int threads) {
+static inline void int_segment(const float *xs, float *ys, int64_t n, float a, const element_params *p) {
+    const float lo = p->lo, hi = p->max_value;
+    const int tiny = a <= 0x1p-24f;
+    const float s = hi / (tiny ? 1.0f : a);
+    if (tiny) {
+        for (int64_t c = 0; c < n; c++) ys[c] = round_int(clamp_keep_nan(xs[c] * s, lo, hi)) / s * 0.0f;
+    } else {
+        for (int64_t c = 0; c < n; c++) ys[c] = round_int(clamp_keep_nan(xs[c] * s, lo, hi)) / s;
+    }
+}
+
+/* rows x cols, each row in blocks of `block` (the last one possibly shorter), each block with its amax */
+static void quantize_rows(const float *x, float *out, int64_t rows, int64_t cols, int64_t block,
+                          const float *amax, int mode, const element_params *p, int threads) {
     const int64_t nb = (cols + block - 1) / block;
 #pragma omp parallel for schedule(static) num_threads(threads) if (parallel(rows, cols, PARALLEL_MIN_ELEMENTS))
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t b = 0; b < nb; b++) {
             const int64_t start = r * cols + b * block, n = b + 1 < nb ? block : cols - b * block;
-            const float *xs = x + start;
-            const float a = amax_at(amax, mode, r, b, nb, xs, n);
-            const int tiny = a <= 0x1p-24f;
-            const float s = hi / (tiny ? 1.0f : a);
-            float *ys = out + start;
-            if (tiny) {
-                for (int64_t c = 0; c < n; c++) ys[c] = round_int(clamp_keep_nan(xs[c] * s, lo, hi)) / s * 0.0f;
-            } else {
-                for (int64_t c = 0; c < n; c++) ys[c] = round_int(clamp_keep_nan(xs[c] * s, lo, hi)) / s;
-            }
+            const float a = amax_at(amax, mode, r, b, nb, x + start, n);
+            if (p->kind == KIND_FP8)
+                fp8_segment(x + start, out + start, n, a, p);
+            else
+                int_segment(x + start, out + start, n, a, p);
         }
     }
+}
+
+void mol_fp8(const float *x, float *out, int64_t rows, int64_t cols, int64_t block, const float *amax,
+             int mode, int min_exp, int man_bits, float max_value, int threads) {
+    const element_params p = {KIND_FP8, (uint32_t)(min_exp + 127) << 23, (uint32_t)man_bits << 23, max_value, 0};
+    quantize_rows(x, out, rows, cols, block, amax, mode, &p, threads);
+}
+
+void mol_int(const float *x, float *out, int64_t rows, int64_t cols, int64_t block, const float *amax,
+             int mode, float lo, float hi, int threads) {
+    const element_params p = {KIND_INT, 0, 0, hi, lo};
+    quantize_rows(x, out, rows, cols, block, amax, mode, &p, threads);
 }
 
 /* one NVFP4 block: its amax, FP8 scale (nvfp4.nvfp4_block_scales) times s2 = step, then

@@ -7,15 +7,12 @@ the leading ones are dynamic) and the randomized test runs few examples."""
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from modelopt_lite.formats import (
-    fake_quant,
     fake_quant_reference,
     fused_call_count,
     fused_fake_quant_enabled,
@@ -27,6 +24,12 @@ from modelopt_lite.formats import fused as fused_mod
 from modelopt_lite.formats import native as native_mod
 from modelopt_lite.formats.functional import dispatch_fake_quant
 from modelopt_lite.formats.rounding import e2m1_round
+
+from ._fast_paths import (
+    check_failure_warns_once_then_reference,
+    check_forward_and_clipped_backward,
+    check_uncovered_runs_reference,
+)
 
 NVFP4 = {"num_bits": (2, 1), "block_sizes": {-1: 16, "type": "dynamic", "scale_bits": (4, 3)}}
 MXFP4 = {"num_bits": (2, 1), "block_sizes": {-1: 32, "type": "dynamic", "scale_bits": (8, 0)}}
@@ -105,22 +108,7 @@ def test_fused_forward_and_straight_through_backward(fused_on, name):
     spec = resolve_format(**FORMATS[name])
     x = torch.randn(3, 5, 64) * 3  # 3-D: NVFP4 runs on the (rows, cols) view, per channel keeps its shape
     amax = reduce_amax(x, spec) * 0.5  # a clipped amax: the clipped backward zeroes part of the gradient
-    grad = torch.randn_like(x)
-
-    def run(enabled: bool):
-        set_fused_fake_quant(enabled)
-        leaf = x.clone().requires_grad_()
-        before = fused_call_count()
-        out = fake_quant(leaf, spec, amax, clip_gradient=True)
-        out.backward(grad)
-        return out.detach(), leaf.grad, fused_call_count() - before
-
-    out, x_grad, calls = run(True)
-    ref_out, ref_grad, ref_calls = run(False)
-    assert (calls, ref_calls) == (1, 0)
-    assert torch.equal(out, ref_out)
-    assert torch.equal(x_grad, ref_grad)
-    assert 0 < int((x_grad == 0).sum()) < x.numel()  # the clip did zero some, not all
+    check_forward_and_clipped_backward(spec, x, amax, set_fused_fake_quant, fused_call_count)
 
 
 def test_off_switch_and_environment_variable(fused_on, monkeypatch):
@@ -167,15 +155,7 @@ def test_uncovered_input_runs_the_reference_with_one_debug_line(fused_on, lib_ca
     else:
         spec, x = resolve_format(**NVFP4), torch.randn(2, 8, 64)
         amax = x.abs().amax(dim=(1, 2), keepdim=True)
-    with lib_caplog.at_level(logging.DEBUG, logger="modelopt_lite"):
-        first, calls = _quantize(x, spec, amax)
-        second, _ = _quantize(x, spec, amax)
-    assert calls == 0
-    assert torch.equal(first, fake_quant_reference(x, spec, amax))
-    assert torch.equal(first, second)
-    lines = [r for r in lib_caplog.records if "fused fake quant" in r.getMessage()]
-    assert len(lines) == 1, [r.getMessage() for r in lines]
-    assert lines[0].levelno == logging.DEBUG
+    check_uncovered_runs_reference(_quantize, x, spec, amax, lib_caplog, "fused fake quant")
 
 
 def test_e2m1_steps_equal_the_reference_rounding_at_every_boundary():
@@ -216,17 +196,5 @@ def test_compile_failure_warns_once_then_reference(fused_on, lib_caplog, monkeyp
 
     monkeypatch.setattr(fused_mod, "_BACKEND", no_compiler)
     monkeypatch.setattr(fused_mod, "_kernels", {})
-    spec = resolve_format(num_bits=(4, 3))
-    x = torch.randn(8, 64)
-    amax = reduce_amax(x, spec)
-    with lib_caplog.at_level(logging.DEBUG, logger="modelopt_lite"):
-        first, calls = _quantize(x, spec, amax)
-        second, second_calls = _quantize(x, spec, amax)
-    expected = fake_quant_reference(x, spec, amax)
-    assert torch.equal(first, expected)
-    assert torch.equal(second, expected)
-    assert calls == second_calls == 0
-    warnings = [r for r in lib_caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1
-    assert "no C++ compiler" in warnings[0].getMessage()
+    check_failure_warns_once_then_reference(_quantize, lib_caplog, "no C++ compiler")
     assert not fused_fake_quant_enabled()

@@ -5,15 +5,12 @@ environment variable; uncovered inputs and a failing build fall back to the refe
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from modelopt_lite.formats import (
-    fake_quant,
     fake_quant_reference,
     native_call_count,
     native_fake_quant_enabled,
@@ -23,6 +20,12 @@ from modelopt_lite.formats import (
 )
 from modelopt_lite.formats import native as native_mod
 from modelopt_lite.formats.functional import dispatch_fake_quant
+
+from ._fast_paths import (
+    check_failure_warns_once_then_reference,
+    check_forward_and_clipped_backward,
+    check_uncovered_runs_reference,
+)
 
 NVFP4 = {"num_bits": (2, 1), "block_sizes": {-1: 16, "type": "dynamic", "scale_bits": (4, 3)}}
 FORMATS = {
@@ -141,22 +144,7 @@ def test_native_forward_and_straight_through_backward(native_on, name):
         amax = x.abs().amax() * 0.5
     else:
         amax = reduce_amax(x.reshape(3, -1), spec).reshape(-1, 1, 1) * 0.5 if spec.axis == 0 else amax
-    grad = torch.randn_like(x)
-
-    def run(enabled: bool):
-        set_native_fake_quant(enabled)
-        leaf = x.clone().requires_grad_()
-        before = native_call_count()
-        out = fake_quant(leaf, spec, amax, clip_gradient=True)
-        out.backward(grad)
-        return out.detach(), leaf.grad, native_call_count() - before
-
-    out, x_grad, calls = run(True)
-    ref_out, ref_grad, ref_calls = run(False)
-    assert (calls, ref_calls) == (1, 0)
-    assert torch.equal(out, ref_out)
-    assert torch.equal(x_grad, ref_grad)
-    assert 0 < int((x_grad == 0).sum()) < x.numel()
+    check_forward_and_clipped_backward(spec, x, amax, set_native_fake_quant, native_call_count)
 
 
 def test_off_switch_and_environment_variable(native_on, monkeypatch):
@@ -201,22 +189,12 @@ def test_uncovered_input_runs_the_reference_with_one_debug_line(native_on, lib_c
         spec, x = resolve_format(num_bits=4, block_sizes={-1: 16, -2: 16}), torch.randn(32, 64)
     elif case == "per-channel axis 1":
         spec = resolve_format(num_bits=8, axis=1)
-    elif (
-        case == "NVFP4 global amax shared across experts"
-    ):  # one per (expert, row): not a run of whole blocks per amax
+    elif case == "NVFP4 global amax shared across experts":  # (1, 8, 1): not one per leading index
         spec, x = resolve_format(**NVFP4), torch.randn(2, 8, 64)
     amax = x.abs().amax(dim=(0, 2), keepdim=True) if x.ndim == 3 else None
     if amax is None and spec.needs_amax:
         amax = reduce_amax(x, spec)
-    with lib_caplog.at_level(logging.DEBUG, logger="modelopt_lite"):
-        first, calls = _quantize(x, spec, amax)
-        second, _ = _quantize(x, spec, amax)
-    assert calls == 0
-    assert torch.equal(first, fake_quant_reference(x, spec, amax))
-    assert torch.equal(first, second)
-    lines = [r for r in lib_caplog.records if "native fake quant" in r.getMessage()]
-    assert len(lines) == 1, [r.getMessage() for r in lines]
-    assert lines[0].levelno == logging.DEBUG
+    check_uncovered_runs_reference(_quantize, x, spec, amax, lib_caplog, "native fake quant")
 
 
 def test_wrong_input_still_raises_the_reference_error(native_on):
@@ -243,19 +221,7 @@ def test_failed_build_warns_once_then_reference(native_on, lib_caplog, monkeypat
     monkeypatch.setenv("MODELOPT_LITE_CACHE", str(tmp_path))  # no library built before
     monkeypatch.setitem(native_mod._state, "lib", None)
     monkeypatch.setitem(native_mod._state, "path", None)
-    spec = resolve_format(num_bits=(4, 3))
-    x = torch.randn(8, 64)
-    amax = reduce_amax(x, spec)
-    with lib_caplog.at_level(logging.DEBUG, logger="modelopt_lite"):
-        first, calls = _quantize(x, spec, amax)
-        second, second_calls = _quantize(x, spec, amax)
-    expected = fake_quant_reference(x, spec, amax)
-    assert torch.equal(first, expected)
-    assert torch.equal(second, expected)
-    assert calls == second_calls == 0
-    warnings = [r for r in lib_caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1, [r.getMessage() for r in warnings]
-    assert "could not build" in warnings[0].getMessage()
+    check_failure_warns_once_then_reference(_quantize, lib_caplog, "could not build")
     assert not native_fake_quant_enabled()
     assert not list(tmp_path.rglob("*.so"))
     assert not list(tmp_path.rglob("*.tmp"))

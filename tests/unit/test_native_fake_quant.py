@@ -54,6 +54,14 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SPECIAL = (0.0, -0.0, float("inf"), float("-inf"), float("nan"), 2.0**-149, -(2.0**-126), 1e30)
 
 
+#: the tests that need the kernels built skip on a machine without a C compiler (the library then runs the
+#: reference formulas, with one WARNING; the failed-build test covers that path everywhere)
+needs_compiler = pytest.mark.skipif(
+    native_mod._compiler() is None,
+    reason="no C compiler ($CC, cc, gcc, clang): the native kernels cannot build",
+)
+
+
 @pytest.fixture
 def native_on():
     """The native kernels on (their build shared by the tests); the module's state restored afterwards."""
@@ -97,6 +105,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
 
 
+@needs_compiler
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     name=st.sampled_from(sorted(FORMATS)),
@@ -135,6 +144,7 @@ def test_native_equals_reference_bit_for_bit(
         assert res is out  # written into the given buffer and returned as is
 
 
+@needs_compiler
 @pytest.mark.parametrize("name", ["int8 per-channel", "fp8 per-tensor", "nvfp4 static global amax"])
 def test_native_forward_and_straight_through_backward(native_on, name):
     spec = resolve_format(**FORMATS[name])
@@ -147,6 +157,7 @@ def test_native_forward_and_straight_through_backward(native_on, name):
     check_forward_and_clipped_backward(spec, x, amax, set_native_fake_quant, native_call_count)
 
 
+@needs_compiler
 def test_off_switch_and_environment_variable(native_on, monkeypatch):
     spec = resolve_format(num_bits=(4, 3))
     x = torch.randn(8, 64)
@@ -207,6 +218,7 @@ def test_wrong_input_still_raises_the_reference_error(native_on):
     assert native_fake_quant_enabled()  # a user error does not turn the kernels off
 
 
+@needs_compiler
 def test_zero_global_amax_nvfp4_gives_zeros(native_on):
     spec = resolve_format(**NVFP4)
     x = torch.randn(4, 32)
@@ -227,6 +239,7 @@ def test_failed_build_warns_once_then_reference(native_on, lib_caplog, monkeypat
     assert not list(tmp_path.rglob("*.tmp"))
 
 
+@needs_compiler
 def test_build_lands_in_the_cache_and_is_reused(native_on, monkeypatch, tmp_path):
     monkeypatch.setenv("MODELOPT_LITE_CACHE", str(tmp_path))
     monkeypatch.setitem(native_mod._state, "lib", None)
@@ -241,6 +254,7 @@ def test_build_lands_in_the_cache_and_is_reused(native_on, monkeypatch, tmp_path
     assert built.stat().st_mtime_ns == stamp  # loaded, not rebuilt
 
 
+@needs_compiler
 def test_a_quantized_linear_in_training_takes_the_native_kernels(native_on):
     """A QAT forward / backward through QuantLinear: both quantizers answered by the native kernels, into
     the quantizer's output buffer, and the result equal to the reference path's."""

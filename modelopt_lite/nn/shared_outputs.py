@@ -73,7 +73,10 @@ def store(
     global_amax: torch.Tensor | None,
     out: torch.Tensor,
 ) -> None:
-    """Remember ``out`` as the fake quant of ``x`` (until ``x``'s Python object is freed)."""
+    """Remember ``out`` as the fake quant of ``x`` (until ``x``'s Python object is freed). Nothing is kept
+    for an amax made under ``torch.inference_mode`` (it has no version counter to check)."""
+    if any(t is not None and t.is_inference() for t in (amax, global_amax)):
+        return
     key = id(x)
     found = _entries.get(key)
     if found is None or found[0]() is not x:

@@ -317,6 +317,7 @@ class TensorQuantizer(QuantizerBuffers):
                     bias is None
                     and self.share_outputs
                     and not isinstance(x, torch.nn.Parameter)  # weights: never shared, and they live on
+                    and not x.is_inference()  # (inference tensors have no version counter)
                     and not torch.compiler.is_compiling()
                 )
                 out = (

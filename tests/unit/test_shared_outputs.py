@@ -86,3 +86,16 @@ def test_entries_go_with_the_input(sharing):
     weight = model.model.layers[0].self_attn.q_proj
     weight.weight_quantizer(weight.weight)
     assert not shared_outputs._entries  # a weight (it lives on) is never entered
+
+
+def test_inference_mode_runs_without_sharing(sharing):
+    """Inference tensors have no version counter: under ``torch.inference_mode`` nothing is shared, and the
+    logits are those of ``no_grad``."""
+    model, ids = _model("FP8_DEFAULT_CFG")
+    model.eval()
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    with torch.inference_mode():
+        got = model(input_ids=ids).logits
+    assert torch.equal(got, expected)
+    assert not shared_outputs._entries

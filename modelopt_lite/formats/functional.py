@@ -28,6 +28,7 @@ __all__ = [
     "reduce_amax",
     "reduce_axes",
     "reduce_like_amax",
+    "takes_out",
 ]
 
 
@@ -118,6 +119,12 @@ def out_supported(x: torch.Tensor, spec: FormatSpec) -> bool:
     if spec.kind == "nvfp4":
         return x.ndim > 0 and x.shape[-1] % spec.block_axes[0][1] == 0
     return x.is_contiguous() and not spec.block_axes and (spec.axis is None or spec.axis in (0, -x.ndim))
+
+
+def takes_out(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None) -> bool:
+    """Whether :func:`dispatch_fake_quant` writes its result for ``x`` into a given ``out``: where the native
+    CPU kernel takes the call (any layout it covers) or where the reference does (:func:`out_supported`)."""
+    return out_supported(x, spec) or native.takes(x, spec, amax)
 
 
 def fake_quant_reference(

@@ -23,7 +23,7 @@ import torch
 
 from ..formats import FormatSpec
 
-__all__ = ["lookup", "store"]
+__all__ = ["lookup", "shareable", "store"]
 
 _Entry = tuple  # (x version, grad, spec, clip, amax, amax version, global amax, its version, output)
 _entries: dict[int, tuple[weakref.ref, list[_Entry]]] = {}
@@ -37,6 +37,14 @@ def _same(held: torch.Tensor | None, version: int, given: torch.Tensor | None) -
     if held._version != version:
         return False
     return held is given or (held.shape == given.shape and bool(torch.equal(held, given)))
+
+
+def shareable(x: torch.Tensor) -> bool:
+    """Whether ``x`` may have an entry: not a weight (it lives on, and no two quantizers share one), not an
+    inference tensor (it has no version counter), not while ``torch.compile`` traces."""
+    return (
+        not isinstance(x, torch.nn.Parameter) and not x.is_inference() and not torch.compiler.is_compiling()
+    )
 
 
 def lookup(

@@ -17,9 +17,8 @@ from ..formats import (
     fake_quant,
     fake_quant_learnable,
     hadamard_transform,
-    native,
 )
-from ..formats.functional import out_supported
+from ..formats.functional import takes_out
 from . import shared_outputs
 from .calibrators import BiasCalibrator, Calibrator, bias_settings, make_calibrator
 from .quantizer_attributes import QuantizerAttributes
@@ -313,21 +312,15 @@ class TensorQuantizer(QuantizerBuffers):
                 out = fake_quant_learnable(x, self._spec, self._amax)
             else:
                 clip = self._attrs.backward == "clipped"
-                share = (
-                    bias is None
-                    and self.share_outputs
-                    and not isinstance(x, torch.nn.Parameter)  # weights: never shared, and they live on
-                    and not x.is_inference()  # (inference tensors have no version counter)
-                    and not torch.compiler.is_compiling()
-                )
+                share = bias is None and self.share_outputs and shared_outputs.shareable(x)
                 out = (
                     shared_outputs.lookup(x, self._spec, clip, self._amax, self._global_amax)
                     if share
                     else None
                 )
                 if out is None:
-                    takes_out = out_supported(x, self._spec) or native.takes(x, self._spec, self._amax)
-                    buf = self.output_buffer(x) if bias is None and takes_out else None
+                    into = bias is None and takes_out(x, self._spec, self._amax)
+                    buf = self.output_buffer(x) if into else None
                     out = fake_quant(x, self._spec, self._amax, clip, self._global_amax, buf)
                     if share:
                         shared_outputs.store(x, self._spec, clip, self._amax, self._global_amax, out)

@@ -3,11 +3,12 @@ backward equal the reference path's, and the path really ran."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
 
-from modelopt_lite.formats import fake_quant
+from modelopt_lite.formats import fake_quant, fake_quant_reference, reduce_amax, resolve_format
 
 
 def check_forward_and_clipped_backward(
@@ -42,10 +43,6 @@ def check_failure_warns_once_then_reference(quantize: Callable, caplog, message:
     """A path whose build / compile fails: two FP8 fake quants (``quantize(x, spec, amax)`` returning the
     result and the path's call count) both answered by the reference, none counted, one WARNING that
     contains ``message``."""
-    import logging
-
-    from modelopt_lite.formats import fake_quant_reference, reduce_amax, resolve_format
-
     spec = resolve_format(num_bits=(4, 3))
     x = torch.randn(8, 64)
     amax = reduce_amax(x, spec)
@@ -64,10 +61,6 @@ def check_failure_warns_once_then_reference(quantize: Callable, caplog, message:
 def check_uncovered_runs_reference(quantize: Callable, x, spec, amax, caplog, logger_text: str) -> None:
     """An input the path does not cover, quantized twice: the reference's result, no call counted, one
     DEBUG line (``logger_text`` in it) for both calls."""
-    import logging
-
-    from modelopt_lite.formats import fake_quant_reference
-
     with caplog.at_level(logging.DEBUG, logger="modelopt_lite"):
         first, calls = quantize(x, spec, amax)
         second, _ = quantize(x, spec, amax)

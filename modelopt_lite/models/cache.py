@@ -24,12 +24,20 @@ import torch
 from .._cache import cache_base
 from .._version import __version__
 from ..logging import get_logger
-from .specs import DefaultModelSpec, spec_for
+from .specs import SPECS, DefaultModelSpec, spec_for
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
-__all__ = ["MARKER", "build_default_model", "cache_root", "default_model_path", "load_default_model"]
+__all__ = [
+    "MARKER",
+    "build_default_model",
+    "builder_lock",
+    "cache_root",
+    "default_model_path",
+    "load_default_model",
+    "move_into_place",
+]
 
 logger = get_logger(__name__)
 MARKER = "default_model.json"
@@ -54,7 +62,7 @@ def build_default_model(spec: DefaultModelSpec, *, force: bool = False, progress
         logger.info("default model %s: reusing %s", spec.name, target)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with _builder_lock(target) as exclusive:
+    with builder_lock(target) as exclusive:
         if _complete(target) and not force:  # another process built it while this one waited
             logger.info("default model %s: reusing %s (built by another process)", spec.name, target)
             return target
@@ -73,7 +81,7 @@ def build_default_model(spec: DefaultModelSpec, *, force: bool = False, progress
             if _complete(target) and not force:  # another process finished first: keep its (identical) model
                 shutil.rmtree(staging)
             else:
-                _move_into_place(staging, target)
+                move_into_place(staging, target)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
@@ -82,7 +90,7 @@ def build_default_model(spec: DefaultModelSpec, *, force: bool = False, progress
 
 
 @contextlib.contextmanager
-def _builder_lock(target: Path) -> Iterator[bool]:
+def builder_lock(target: Path) -> Iterator[bool]:
     """One builder per model directory: a second process (another rank, another shell) waits for the first
     and then reuses its model instead of training the same model again. Yields whether the lock is held (an
     advisory ``flock`` on ``.<name>.lock``, released by the kernel when a holder dies; where ``fcntl`` is
@@ -92,6 +100,7 @@ def _builder_lock(target: Path) -> Iterator[bool]:
     except ImportError:  # not POSIX
         yield False
         return
+    target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / f".{target.name}.lock", "a+b") as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -104,7 +113,7 @@ def _builder_lock(target: Path) -> Iterator[bool]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _move_into_place(staging: Path, target: Path) -> None:
+def move_into_place(staging: Path, target: Path) -> None:
     """Rename ``staging`` to ``target``, replacing an old ``target`` (moved aside first, then deleted)."""
     old = None
     if target.exists():
@@ -125,7 +134,16 @@ def default_model_path(kind: str = "dense", train_if_missing: bool = True, *, fo
     """Directory of the default ``"dense"`` (Llama) or ``"moe"`` (Qwen3-MoE) model, or of the benchmark
     model ``"bench-dense"`` / ``"bench-moe"`` (trained longer, on the ``"fit"`` split only), a Hugging Face
     checkpoint with its tokenizer. Trained on first use (a few minutes on CPU; about 15 for a benchmark
-    model) unless ``train_if_missing=False``."""
+    model) unless ``train_if_missing=False``.
+
+    A real model's name (``"smollm2-135m"``, see ``real``) gives its converted checkpoint: converted from
+    the package's GGUF file on first use (about half a minute, whatever ``train_if_missing`` says)."""
+    from .real import REAL_MODELS, real_model_path
+
+    if kind in REAL_MODELS:
+        return real_model_path(kind, force=force)
+    if kind not in SPECS:
+        raise ValueError(f"model {kind!r}: choose one of {[*SPECS, *REAL_MODELS]} (default and real models)")
     spec = spec_for(kind)
     target = cache_root() / spec.dirname
     if not _complete(target) and not train_if_missing and not force:

@@ -23,6 +23,7 @@ protocol. This module imports only torch (scripts in other environments use it: 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,8 +33,11 @@ from .logging import get_logger
 __all__ = [
     "KL_MAX_BYTES",
     "MAX_WINDOW",
+    "Comparison",
+    "compare",
     "default_window",
     "describe",
+    "greedy_continuations",
     "kl_per_token",
     "perplexity",
     "reference_logprobs",
@@ -122,3 +126,72 @@ def kl_per_token(
         total += float((ref.exp() * (ref - out)).sum())
         count += ref.shape[0] * ref.shape[1]
     return total / count
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """A model against its reference on the same windows, by the protocol: both perplexities, the mean
+    ``KL(reference || model)`` in nats per predicted token, and top-1 agreement (the share of predicted
+    tokens where both models' most likely next token is the same)."""
+
+    reference_perplexity: float
+    perplexity: float
+    kl: float
+    top1_agreement: float
+    tokens: int
+
+
+@torch.no_grad()
+def compare(
+    reference: torch.nn.Module,
+    model: torch.nn.Module,
+    windows: torch.Tensor,
+    batch_size: int = 4,
+    chunk_tokens: int = 256,
+) -> Comparison:
+    """:class:`Comparison` of ``model`` with ``reference`` on ``windows``, both run batch by batch: nothing
+    of a whole evaluation is kept, only one batch's logits of each model (``batch_size x window x vocab``)
+    and ``chunk_tokens`` rows of log-probabilities at a time. Train / eval modes are restored."""
+    modes = [(m, m.training) for m in (reference, model)]
+    for m, _ in modes:
+        m.eval()
+    nll_ref = nll = kl = 0.0
+    agree = count = 0
+    for batch in windows.split(batch_size):
+        ref_logits = reference(input_ids=batch.to(_device(reference))).logits
+        logits = model(input_ids=batch.to(_device(model))).logits.to(ref_logits.device)
+        targets = batch[:, 1:].to(ref_logits.device)
+        for row in range(batch.shape[0]):  # [row, :-1] of a contiguous (batch, window, vocab) is no copy
+            for start in range(0, targets.shape[1], chunk_tokens):
+                positions = slice(start, min(start + chunk_tokens, targets.shape[1]))
+                ref_lp = ref_logits[row, positions].float().log_softmax(-1)
+                lp = logits[row, positions].float().log_softmax(-1)
+                target = targets[row, positions, None]
+                nll_ref -= float(ref_lp.gather(1, target).sum())
+                nll -= float(lp.gather(1, target).sum())
+                kl += float((ref_lp.exp() * (ref_lp - lp)).sum())
+                agree += int((ref_lp.argmax(-1) == lp.argmax(-1)).sum())
+        count += targets.numel()
+        del ref_logits, logits
+    for m, was_training in modes:
+        m.train(was_training)
+    return Comparison(math.exp(nll_ref / count), math.exp(nll / count), kl / count, agree / count, count)
+
+
+@torch.no_grad()
+def greedy_continuations(model: Any, tokenizer: Any, prompts: list[str], max_new_tokens: int) -> list[str]:
+    """The greedy (argmax) continuation of each prompt, ``max_new_tokens`` tokens at most, decoded without
+    the prompt; the model's train / eval mode is restored."""
+    was_training = model.training
+    model.eval()
+    out = []
+    for prompt in prompts:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids.to(_device(model))
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        generated = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+            pad_token_id=pad,
+        )  # fmt: skip
+        out.append(tokenizer.decode(generated[0, ids.shape[1] :], skip_special_tokens=True))
+    model.train(was_training)
+    return out

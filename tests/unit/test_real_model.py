@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from modelopt_lite import evaluation
-from modelopt_lite.models import REAL_MODELS, default_model_path, real
+from modelopt_lite.models import REAL_MODELS, cli, default_model_path, real
 from modelopt_lite.models.real import RealModelSpec, convert_gguf, real_model_path
 
 SMOLLM2 = REAL_MODELS["smollm2-135m"]
@@ -136,7 +136,9 @@ def test_conversion_writes_a_plain_cached_checkpoint_and_reuses_it(smollm2_path,
     monkeypatch.setattr(real, "convert_gguf", lambda *a, **k: pytest.fail("converted again"))
     with lib_caplog.at_level("INFO"):
         assert real_model_path("smollm2-135m") == smollm2_path
+        assert cli.main(["--kind", "smollm2-135m"]) == 0  # the command converts ahead of use, or reuses
     assert "reusing" in lib_caplog.text
+    assert f"smollm2-135m ({SMOLLM2.description}): {smollm2_path}" in lib_caplog.text
 
 
 @needs_smollm2

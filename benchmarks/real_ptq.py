@@ -227,12 +227,8 @@ def roundtrip(row: dict[str, Any], model: Any, prep: dict[str, Any], args: Any, 
         shutil.rmtree(out, ignore_errors=True)
         return
     windows = prep["test"][: args.roundtrip_windows]
-    batches = -(-len(windows) // args.batch_size)
     disabled = weight_only(model)
-    if disabled:
-        target = peer.measure(model, windows, prep["ref_dir"], args.batch_size)["ppl"]
-    else:
-        target = peer.leading_ppl(row, batches)
+    target = peer.measure(model, windows, prep["ref_dir"], args.batch_size)["ppl"]
     row["weight_only_fake_ppl"] = {"ppl": target, "windows": len(windows), "disabled_quantizers": disabled}
     loaders = {
         "dequantized": lambda: AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32),

@@ -233,10 +233,10 @@ def _torchao_config(name: str) -> Any:
         return q.Int8DynamicActivationInt8WeightConfig()
     if name == "int4_wo_g128":
         return q.Int4WeightOnlyConfig(group_size=128, int4_packing_format="tile_packed_to_4d")
-    if name == "intx4_wo_g128":
+    if name == "intx4_wo_g64":  # SmolLM2's width 576 is no multiple of 128; torchao needs whole groups
         from torchao.quantization.granularity import PerGroup
 
-        return q.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(128))
+        return q.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(64))
     if name == "fp8_wo":
         return q.Float8WeightOnlyConfig()
     if name == "fp8_dyn":
@@ -257,7 +257,7 @@ def _torchao_config(name: str) -> Any:
     if name == "nvfp4":
         return mx.NVFP4DynamicActivationNVFP4WeightConfig(use_triton_kernel=False)
     if name == "nvfp4_wo":
-        return mx.NVFP4WeightOnlyConfig(use_triton_kernel=False)
+        return mx.NVFP4WeightOnlyConfig()
     raise ValueError(f"unknown torchao row {name!r}; known: {list(TORCHAO_CONFIGS)}")
 
 
@@ -266,14 +266,14 @@ TORCHAO_CONFIGS = {
     "int8_wo": "Int8WeightOnlyConfig()",
     "int8_dyn": "Int8DynamicActivationInt8WeightConfig() (per-row weights, per-token dynamic activations)",
     "int4_wo_g128": "Int4WeightOnlyConfig(group_size=128, int4_packing_format='tile_packed_to_4d'), bf16",
-    "intx4_wo_g128": "IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(128))",
+    "intx4_wo_g64": "IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(64))",
     "fp8_wo": "Float8WeightOnlyConfig()",
     "fp8_dyn": "Float8DynamicActivationFloat8WeightConfig() (per-tensor)",
     "fp8_dyn_row": "Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())",
     "mxfp8": "MXDynamicActivationMXWeightConfig(e4m3, kernel_preference=EMULATED), bf16 model",
     "mxfp4": "MXDynamicActivationMXWeightConfig(e2m1, kernel_preference=EMULATED), bf16 model",
     "nvfp4": "NVFP4DynamicActivationNVFP4WeightConfig(use_triton_kernel=False)",
-    "nvfp4_wo": "NVFP4WeightOnlyConfig(use_triton_kernel=False)",
+    "nvfp4_wo": "NVFP4WeightOnlyConfig()",
 }
 #: rows whose torchao kernels take bfloat16 only: the model is cast to bfloat16 first
 TORCHAO_BF16 = ("int4_wo_g128", "mxfp8", "mxfp4")

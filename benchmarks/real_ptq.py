@@ -103,6 +103,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peer-timeout", type=float, default=3600, help="seconds per peer worker")
     p.add_argument("--workdir", help="keep the reference log-probabilities and exports here (default: temp)")
     p.add_argument("--quick", action="store_true", help="smoke run: 4 x 128 calibration, 2 x 128 evaluation")
+    p.add_argument("--report", metavar="JSON", help="measure nothing: the tables and figure of a --json file")
     p.add_argument("--json")
     p.add_argument("--md")
     p.add_argument("--png")
@@ -216,7 +217,7 @@ def roundtrip(row: dict[str, Any], model: Any, prep: dict[str, Any], args: Any, 
     try:
         result = export_hf_checkpoint(model, out, tokenizer=prep["tokenizer"], overwrite=True)
         quant = result.hf_quant_config["quantization"]
-        row["export_mb"] = result.total_bytes / 1e6
+        row["export_mb"] = sum(f.stat().st_size for f in Path(out).glob("*.safetensors")) / 1e6
         row["quant_algo"] = quant.get("quant_algo")
         row["kv_cache_quant_algo"] = quant.get("kv_cache_quant_algo")
         row["bytes_vs_bf16"] = result.ratios
@@ -344,8 +345,24 @@ def torchao_run(prep: dict[str, Any], args: argparse.Namespace, work: Path, out:
 # ---------------------------------------------------------------------------------------------- main
 
 
+def report(result: dict[str, Any], args: argparse.Namespace) -> int:
+    """Print the tables; write ``--md`` and ``--png`` (and name ``--json``, written by now)."""
+    print("\n" + table(result) + "\n")
+    if args.md:
+        Path(args.md).write_text(markdown(result) + "\n")
+        print(f"wrote {args.md}")
+    if args.png:
+        plot(result, args.png)
+        print(f"wrote {args.png}")
+    if args.json and not args.report:
+        print(f"wrote {args.json}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.report:
+        return report(json.loads(Path(args.report).read_text()), args)
     os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(args.threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -402,15 +419,7 @@ def main(argv: list[str] | None = None) -> int:
         result["comparison"] = comparison(result)
         result["meta"]["wall_minutes"] = round((time.perf_counter() - start) / 60, 1)
         save()
-        print("\n" + table(result) + "\n")
-        if args.md:
-            Path(args.md).write_text(markdown(result) + "\n")
-            print(f"wrote {args.md}")
-        if args.png:
-            plot(result, args.png)
-            print(f"wrote {args.png}")
-        if args.json:
-            print(f"wrote {args.json}")
+        report(result, args)
     finally:
         if tmp is not None:
             tmp.cleanup()

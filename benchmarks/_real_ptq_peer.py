@@ -233,10 +233,10 @@ def _torchao_config(name: str) -> Any:
         return q.Int8DynamicActivationInt8WeightConfig()
     if name == "int4_wo_g128":
         return q.Int4WeightOnlyConfig(group_size=128, int4_packing_format="tile_packed_to_4d")
-    if name == "intx4_wo_g64":  # SmolLM2's width 576 is no multiple of 128; torchao needs whole groups
+    if name in ("intx4_wo_g128", "intx4_wo_g64"):  # torchao needs whole groups: 576 = 4.5 x 128 = 9 x 64
         from torchao.quantization.granularity import PerGroup
 
-        return q.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(64))
+        return q.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(int(name[10:])))
     if name == "fp8_wo":
         return q.Float8WeightOnlyConfig()
     if name == "fp8_dyn":
@@ -266,6 +266,7 @@ TORCHAO_CONFIGS = {
     "int8_wo": "Int8WeightOnlyConfig()",
     "int8_dyn": "Int8DynamicActivationInt8WeightConfig() (per-row weights, per-token dynamic activations)",
     "int4_wo_g128": "Int4WeightOnlyConfig(group_size=128, int4_packing_format='tile_packed_to_4d'), bf16",
+    "intx4_wo_g128": "IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(128))",
     "intx4_wo_g64": "IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(64))",
     "fp8_wo": "Float8WeightOnlyConfig()",
     "fp8_dyn": "Float8DynamicActivationFloat8WeightConfig() (per-tensor)",

@@ -42,7 +42,9 @@ runs after our rows. ``--quick``: 4 x 128 calibration tokens, 2 x 128 evaluation
 from __future__ import annotations
 
 import argparse
+import copy
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -103,7 +105,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peer-timeout", type=float, default=3600, help="seconds per peer worker")
     p.add_argument("--workdir", help="keep the reference log-probabilities and exports here (default: temp)")
     p.add_argument("--quick", action="store_true", help="smoke run: 4 x 128 calibration, 2 x 128 evaluation")
-    p.add_argument("--report", metavar="JSON", help="measure nothing: the tables and figure of a --json file")
+    p.add_argument(
+        "--report",
+        nargs="+",
+        metavar="JSON",
+        help="measure nothing: the tables and figure of --json files of runs on the same windows (the rows "
+        "of a later file add to or replace the earlier ones, by library and name)",
+    )
     p.add_argument("--json")
     p.add_argument("--md")
     p.add_argument("--png")
@@ -345,6 +353,34 @@ def torchao_run(prep: dict[str, Any], args: argparse.Namespace, work: Path, out:
 # ---------------------------------------------------------------------------------------------- main
 
 
+def merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The first run with the rows of the later ones added (same name: replaced), per library; the runs must
+    share the model, calibration and evaluation windows and the baseline."""
+    first = copy.deepcopy(runs[0])
+    keys = ("model", "calibration", "evaluation")
+    for run in runs[1:]:
+        same = all(run["meta"][k] == first["meta"][k] for k in keys) and math.isclose(
+            run["baseline"]["ppl"], first["baseline"]["ppl"], rel_tol=1e-9
+        )
+        if not same:
+            raise ValueError(
+                f"--report: runs differ in {keys} or the baseline: {first['meta']} / {run['meta']}"
+            )
+
+        def combine(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dict[str, Any]]:
+            by_name = {r["name"]: r for r in old}
+            by_name.update({r["name"]: r for r in new})
+            return list(by_name.values())
+
+        first["ours"] = combine(first["ours"], run["ours"])
+        for lib, res in run["peers"].items():
+            mine = first["peers"].setdefault(lib, {**res, "rows": []})
+            mine["rows"] = combine(mine["rows"], res.get("rows", []))
+        first["meta"]["command"] += " + " + run["meta"]["command"]
+    first["comparison"] = comparison(first)
+    return first
+
+
 def report(result: dict[str, Any], args: argparse.Namespace) -> int:
     """Print the tables; write ``--md`` and ``--png`` (and name ``--json``, written by now)."""
     print("\n" + table(result) + "\n")
@@ -362,7 +398,7 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.report:
-        return report(json.loads(Path(args.report).read_text()), args)
+        return report(merge([json.loads(Path(f).read_text()) for f in args.report]), args)
     os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(args.threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

@@ -90,3 +90,22 @@ def test_quick_run_on_a_tiny_model(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert "| fp8 |" in md
     assert "Export round trip" in md
     assert "--quick" in md
+
+
+def _run(ours: list[dict], torchao: list[dict], ppl: float = 30.0) -> dict:
+    meta = {"model": "m", "calibration": "c", "evaluation": "e", "command": "x"}
+    return {"meta": meta, "baseline": {"ppl": ppl}, "ours": ours, "peers": {"torchao": {"rows": torchao}}}
+
+
+def test_report_merges_runs_on_the_same_windows() -> None:
+    """``--report A B``: B's rows add to A's or replace them by name; runs on other windows are refused."""
+    a = _run([{"name": "fp8", "ppl": 31.0}], [{"name": "int8_wo", "ppl": 30.5}, {"name": "x", "error": "E"}])
+    b = _run([], [{"name": "x", "ppl": 32.0}, {"name": "y", "ppl": 33.0}])
+    merged = real_ptq.merge([a, b])
+    assert [r["name"] for r in merged["ours"]] == ["fp8"]
+    assert {r["name"]: r.get("ppl") for r in merged["peers"]["torchao"]["rows"]} == {
+        "int8_wo": 30.5, "x": 32.0, "y": 33.0
+    }  # fmt: skip
+    assert merged["comparison"][0]["name"] == "fp8"
+    with pytest.raises(ValueError, match="differ"):
+        real_ptq.merge([a, _run([], [], ppl=29.0)])

@@ -109,8 +109,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--report",
         nargs="+",
         metavar="JSON",
-        help="measure nothing: the tables and figure of --json files of runs on the same windows (the rows "
-        "of a later file add to or replace the earlier ones, by library and name)",
+        help="measure nothing: the tables and figure (with --json: the merged file) of the --json files of "
+        "runs on the same windows (a later file's rows add to or replace earlier ones, by library and name)",
     )
     p.add_argument("--json")
     p.add_argument("--md")
@@ -390,7 +390,9 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> int:
     if args.png:
         plot(result, args.png)
         print(f"wrote {args.png}")
-    if args.json and not args.report:
+    if args.json and args.report:  # the merged runs
+        Path(args.json).write_text(json.dumps(result, indent=1, default=str) + "\n")
+    if args.json:
         print(f"wrote {args.json}")
     return 0
 

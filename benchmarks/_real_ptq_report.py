@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from typing import Any
 
 GOAL = 0.005  # ours within 0.5% perplexity of the reference (its exported model where it has one)
@@ -169,6 +170,9 @@ def plot(result: dict[str, Any], path: str) -> None:
         xs = [j + (i - 1) * width for j in range(len(names))]
         ys = [100 * (v / base - 1) if v else 0.0 for v in vals]
         ax.bar(xs, ys, width, label=label)
+    for j, n in enumerate(names):
+        if ref.get(n, {}).get("error"):
+            ax.text(j + 0.05, 0.05, "ref: error", rotation=90, fontsize=7, va="bottom", ha="center")
     ax.set_xticks(range(len(names)), names, rotation=45, ha="right")
     ax.set_ylabel("test perplexity increase over unquantized (%)")
     ax.set_yscale("symlog", linthresh=1)
@@ -180,7 +184,7 @@ def plot(result: dict[str, Any], path: str) -> None:
     ax.set_xticks(range(len(ok)), [r["name"] for r in ok], rotation=45, ha="right")
     ax.set_yscale("symlog", linthresh=1)
     ax.set_title("torchao quantize_ (CPU)")
-    fig.suptitle(result["meta"]["command"], fontsize=7)
+    fig.suptitle(textwrap.fill(result["meta"]["command"], 230), fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -444,6 +444,10 @@ def main(argv: list[str] | None = None) -> int:
             if args.json:  # also after each of our rows (a partial run keeps them)
                 Path(args.json).write_text(json.dumps(result, indent=1, default=str) + "\n")
 
+        if not args.reference_python:
+            print(f"reference rows skipped: {h.no_reference_python()}", flush=True)
+        if not args.torchao_python and args.torchao_rows:
+            print(f"torchao rows skipped: {h.no_reference_python('--torchao-python', TORCHAO_PYTHON_ENV)}")
         reference = None
         if args.reference_python:  # in the background, while our rows run
             reference = threading.Thread(target=reference_run, args=(prep, args, work, result["peers"]))

@@ -335,6 +335,9 @@ def main(argv: list[str] | None = None) -> int:
         result["versions"] = {"torch": torch.__version__, "transformers": transformers.__version__,
                               a.peer: lib.__version__}  # fmt: skip
         PEERS[a.peer](Shared(spec))
+        with open("/proc/self/status") as f:  # the peak RSS (Linux)
+            kb = next((int(ln.split()[1]) for ln in f if ln.startswith("VmHWM:")), None)
+        result["peak_rss_mb"] = None if kb is None else round(kb / 1024)
     except Exception as err:
         result["error"] = error_text(err)
         result["traceback"] = traceback.format_exc()[-3000:]

@@ -319,6 +319,16 @@ def torchao_rows(shared: Shared) -> None:
 PEERS = {"modelopt": modelopt_rows, "torchao": torchao_rows}
 
 
+def _peak_rss_mb() -> int | None:
+    """This process's peak RSS (Linux ``/proc``), or None."""
+    try:
+        with open("/proc/self/status") as f:
+            kb = next((int(ln.split()[1]) for ln in f if ln.startswith("VmHWM:")), None)
+    except OSError:
+        return None
+    return None if kb is None else round(kb / 1024)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--peer", choices=sorted(PEERS), required=True)
@@ -335,9 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         result["versions"] = {"torch": torch.__version__, "transformers": transformers.__version__,
                               a.peer: lib.__version__}  # fmt: skip
         PEERS[a.peer](Shared(spec))
-        with open("/proc/self/status") as f:  # the peak RSS (Linux)
-            kb = next((int(ln.split()[1]) for ln in f if ln.startswith("VmHWM:")), None)
-        result["peak_rss_mb"] = None if kb is None else round(kb / 1024)
+        result["peak_rss_mb"] = _peak_rss_mb()
     except Exception as err:
         result["error"] = error_text(err)
         result["traceback"] = traceback.format_exc()[-3000:]

@@ -460,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
             reference.join()
         result["comparison"] = comparison(result)
         result["meta"]["wall_minutes"] = round((time.perf_counter() - start) / 60, 1)
-        result["meta"]["peak_rss_mb"] = round(h.status_mb("VmHWM"))  # this process (ours rows)
+        result["meta"]["peak_rss_mb"] = peer._peak_rss_mb()  # this process (our rows)
         save()
         report(result, args)
     finally:

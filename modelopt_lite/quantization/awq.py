@@ -18,7 +18,9 @@ Options: ``alpha_step``, ``clip_ratios`` (or the reference's ``min_clip_ratio`` 
 the same grid), ``max_tokens`` (sample rows kept per layer), ``debug`` (log each group's alpha at INFO).
 
 Each expert is searched on its own tokens; an expert that received none keeps its max-calibrated amax
-(logged at INFO with the count). Targets are processed one transformer block at a time.
+(logged at INFO with the count). Targets are processed one transformer block at a time, layer by layer
+where the model allows (see ``layerwise``: one pass of the calibration data in all, max calibration and the
+clip statistics fused into each layer's second run), otherwise with one pass of the data per block.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from .calibrate import (
     run_forward_loop,
 )
 from .layers import Target, blocks, capture, groups, linear_targets
+from .layerwise import layerwise
 from .search import block_gram, block_weighted_error, quantize_like
 from .smoothquant import apply_input_scale
 
@@ -69,8 +72,13 @@ def _weight_magnitude(group: list[Target], block: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _group_loss(group: list[Target], samples: dict[str, torch.Tensor], s: torch.Tensor) -> float:
-    """Sum over the group's layers of ``||X W^T - (X / s) Q(W s)^T||^2 / ||X W^T||^2``."""
+def _group_loss(
+    group: list[Target], samples: dict[str, torch.Tensor], s: torch.Tensor,
+    reference: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> float:  # fmt: skip
+    """Sum over the group's layers of ``||X W^T - (X / s) Q(W s)^T||^2 / ||X W^T||^2``; ``reference``
+    (from :func:`_group_reference`) holds each layer's ``X W^T`` and its squared norm, the same for every
+    candidate ``s``."""
     loss = 0.0
     for t in group:
         x = samples.get(t.name)
@@ -80,10 +88,29 @@ def _group_loss(group: list[Target], samples: dict[str, torch.Tensor], s: torch.
         xs = x / s
         if t.input_quantizer.is_enabled:
             xs = quantize_like(t.input_quantizer, xs)
-        y = x @ w.t()
+        if reference is None:
+            y = x @ w.t()
+            norm = y.pow(2).sum().clamp_min(1e-30)
+        else:
+            y, norm = reference[t.name]
         out = xs @ quantize_like(t.weight_quantizer, w * s).t()
-        loss += float((y - out).pow(2).sum() / y.pow(2).sum().clamp_min(1e-30))
+        loss += float((y - out).pow(2).sum() / norm)
     return loss
+
+
+@torch.no_grad()
+def _group_reference(
+    group: list[Target], samples: dict[str, torch.Tensor]
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's unquantized output ``X W^T`` on its samples and ``||X W^T||^2`` (computed once per
+    search, not once per candidate)."""
+    out = {}
+    for t in group:
+        x = samples.get(t.name)
+        if x is not None:
+            y = x @ t.weight().detach().float().t()
+            out[t.name] = (y, y.pow(2).sum().clamp_min(1e-30))
+    return out
 
 
 def _exponents(alpha_step: float) -> list[tuple[float, float]]:
@@ -102,11 +129,12 @@ def _lite_group(group: list[Target], stats: dict, alpha_step: float) -> float | 
     wmag = _weight_magnitude(group, block.get(-1) or group[0].weight().shape[-1])
     samples = {t.name: stats[t.name].sample() for t in group if stats[t.name].count}
     # no smoothing (s = 1) is a candidate too, so the search never ends worse than plain max calibration
-    best, best_alpha, best_s = _group_loss(group, samples, torch.ones_like(act)), None, None
+    reference = _group_reference(group, samples)
+    best, best_alpha, best_s = _group_loss(group, samples, torch.ones_like(act), reference), None, None
     for a, b in _exponents(alpha_step):
         s = act.clamp_min(1e-8).pow(a) / wmag.clamp_min(1e-8).pow(b)
         s = (s / (s.max() * s.min()).sqrt()).clamp(1e-4, 1e4)
-        loss = _group_loss(group, samples, s)
+        loss = _group_loss(group, samples, s, reference)
         if loss < best:
             best, best_alpha, best_s = loss, a, s
     if best_s is not None:
@@ -167,26 +195,57 @@ def _run(model: nn.Module, forward_loop: ForwardLoop | None, name: str, lite: bo
         raise TypeError(f"{name}: debug={debug!r} must be True or False")
     targets = _weight_targets(model, name)
     alphas, idle = [], 0
-    if lite:
-        for block in blocks(targets):
-            with calibration_mode(model), capture(block, max_rows=max_rows) as stats:
-                run_forward_loop(model, forward_loop, desc=f"{name} block")
-            idle += sum(t.expert is not None and not stats[t.name].count for t in block)
-            for g in groups(block, stats):
-                alpha = _lite_group(g, stats, alpha_step)
-                if debug:  # the reference's AWQ debug option: each group's alpha
-                    logger.info("%s: %s -> alpha %s", name, ", ".join(t.name for t in g), alpha)
-                alphas += [] if alpha is None else [alpha]
-    max_calibrate(model, forward_loop)
-    if clip:
-        for block in blocks(targets):
-            with calibration_mode(model), capture(block, max_rows=max_rows) as stats:
-                run_forward_loop(model, forward_loop, desc=f"{name} clip block")
-            for t in block:
-                if stats[t.name].count:
-                    _clip_target(t, stats[t.name].sample(), ratios)
-                elif not lite and t.expert is not None:
-                    idle += 1
+
+    def search(block: list[Target], stats: dict) -> None:
+        nonlocal idle, alphas
+        idle += sum(t.expert is not None and not stats[t.name].count for t in block)
+        for g in groups(block, stats):
+            alpha = _lite_group(g, stats, alpha_step)
+            if debug:  # the reference's AWQ debug option: each group's alpha
+                logger.info("%s: %s -> alpha %s", name, ", ".join(t.name for t in g), alpha)
+            alphas += [] if alpha is None else [alpha]
+
+    def clip_block(block: list[Target], stats: dict) -> None:
+        nonlocal idle
+        for t in block:
+            if stats[t.name].count:
+                _clip_target(t, stats[t.name].sample(), ratios)
+            elif not lite and t.expert is not None:
+                idle += 1
+
+    with calibration_mode(model):
+        run = layerwise(model, forward_loop, targets, name)
+        if run is not None:
+            # each layer: (lite) its inputs as it is -> search and smoothing; its weights max-calibrated;
+            # its outputs, with (clip) its smoothed inputs -> clip search; the activations collected
+            for layer in run.layers:
+                if lite and layer.targets:
+                    with capture(layer.targets, max_rows=max_rows) as stats:
+                        layer.replay()
+                    search(layer.targets, stats)
+                    del stats
+                if clip and layer.targets:
+                    layer.calibrate_weights()
+                    with capture(layer.targets, max_rows=max_rows) as stats:
+                        layer.advance()
+                    clip_block(layer.targets, stats)
+                    del stats
+                elif layer.activations or layer.index < len(run.layers) - 1:
+                    layer.advance()
+    if run is not None:
+        run.finish()  # outside calibration_mode, as max calibration runs (sequential weight quantizers)
+    else:
+        if lite:
+            for block in blocks(targets):
+                with calibration_mode(model), capture(block, max_rows=max_rows) as stats:
+                    run_forward_loop(model, forward_loop, desc=f"{name} block")
+                search(block, stats)
+        max_calibrate(model, forward_loop)
+        if clip:
+            for block in blocks(targets):
+                with calibration_mode(model), capture(block, max_rows=max_rows) as stats:
+                    run_forward_loop(model, forward_loop, desc=f"{name} clip block")
+                clip_block(block, stats)
     if idle:
         logger.info(
             "%s: %d expert weight(s) received no calibration tokens and keep max calibration", name, idle

@@ -38,11 +38,14 @@ from .config import ALGORITHMS, algorithm_step
 
 __all__ = [
     "ForwardLoop",
+    "activation_quantizers",
     "algorithm_steps",
     "calibrate",
+    "calibrate_weights",
     "calibration_mode",
     "check_algorithm",
     "check_calibrated",
+    "load_activations",
     "max_calibrate",
     "register_algorithm",
     "run_forward_loop",
@@ -195,15 +198,7 @@ def weight_quantizers(
 def max_calibrate(model: nn.Module, forward_loop: ForwardLoop | None, **options: Any) -> None:
     if options:
         raise ValueError(f"max calibration takes no options, got {sorted(options)}")
-    weights = {id(q) for q, _ in weight_quantizers(model, gather=False)}
-    activations: list[TensorQuantizer] = []
-    for name, q in iter_quantizers(model):
-        if id(q) in weights or not q.is_enabled:
-            continue
-        if isinstance(q, SequentialQuantizer):
-            raise NotImplementedError(f"{name}: sequential quantizers are supported on weights only")
-        if q.spec.needs_amax:
-            activations.append(q)
+    activations = activation_quantizers(model)
     if activations:
         if forward_loop is None:
             names = ", ".join(q.name for q in activations[:4])
@@ -216,10 +211,29 @@ def max_calibrate(model: nn.Module, forward_loop: ForwardLoop | None, **options:
         "max calibration: %d activation quantizer(s) from data, weight quantizers from the weights",
         len(activations),
     )
-    with torch.no_grad():
-        for q, weight in weight_quantizers(model):
-            if q.is_enabled:
-                q.calibrate(weight.detach())
+    calibrate_weights(model)
+
+
+def activation_quantizers(model: nn.Module) -> list[TensorQuantizer]:
+    """The enabled static quantizers that max calibration fills from data (every one but the weights')."""
+    weights = {id(q) for q, _ in weight_quantizers(model, gather=False)}
+    activations: list[TensorQuantizer] = []
+    for name, q in iter_quantizers(model):
+        if id(q) in weights or not q.is_enabled:
+            continue
+        if isinstance(q, SequentialQuantizer):
+            raise NotImplementedError(f"{name}: sequential quantizers are supported on weights only")
+        if q.spec.needs_amax:
+            activations.append(q)
+    return activations
+
+
+@torch.no_grad()
+def calibrate_weights(model: nn.Module, done: frozenset[int] | set[int] = frozenset()) -> None:
+    """Calibrate every enabled weight quantizer from its weight, but those whose ``id`` is in ``done``."""
+    for q, weight in weight_quantizers(model):
+        if q.is_enabled and id(q) not in done:
+            q.calibrate(weight.detach())
 
 
 @contextmanager
@@ -254,16 +268,22 @@ def _collect_activations(
         reset_coverage(model)
         with all_ranks_succeed("calibration forward_loop"):
             run_forward_loop(model, forward_loop, desc="calibration")
-        sync_calibrators({q.name: q.calibrator for q in activations})
-        _log_expert_coverage(model)
-        empty = [q.name for q in activations if q.calibrator.num_batches == 0]
-        if empty:
-            raise RuntimeError(
-                f"{len(empty)} enabled activation quantizer(s) received no data during calibration: "
-                f"{', '.join(empty[:10])}{' ...' if len(empty) > 10 else ''}. {_why_no_data(model, empty)}"
-            )
-        for q in activations:
-            q.load_calib_amax()
+        load_activations(model, activations)
+
+
+def load_activations(model: nn.Module, activations: list[TensorQuantizer]) -> None:
+    """After a calibration pass: merge the ranks' statistics, log the experts' coverage, raise naming the
+    quantizers that saw no data, and load every one's ``amax``."""
+    sync_calibrators({q.name: q.calibrator for q in activations})
+    _log_expert_coverage(model)
+    empty = [q.name for q in activations if q.calibrator.num_batches == 0]
+    if empty:
+        raise RuntimeError(
+            f"{len(empty)} enabled activation quantizer(s) received no data during calibration: "
+            f"{', '.join(empty[:10])}{' ...' if len(empty) > 10 else ''}. {_why_no_data(model, empty)}"
+        )
+    for q in activations:
+        q.load_calib_amax()
 
 
 def _why_no_data(model: nn.Module, empty: list[str]) -> str:

@@ -5,8 +5,9 @@ quantized, using the inverse Hessian ``H = 2 X^T X / n`` of the layer inputs (Fr
   Block scales are taken from the updated weights when a block starts (static scales from the original
   weights with ``act_order``); the weight is then replaced by its quantized values, and static block /
   channel amaxes are set to the ones GPTQ used so that fake quant reproduces them exactly.
-* Memory: Hessians are accumulated for one transformer block at a time (one pass of ``forward_loop``
-  per block, through the already-quantized earlier blocks), so host memory grows with the largest block.
+* Memory: Hessians are accumulated for one transformer block at a time, on the inputs that the already
+  quantized earlier blocks produce (layer by layer, see ``layerwise``: one pass of ``forward_loop`` in
+  all; otherwise one pass per block), so host memory grows with the largest block.
 * A singular Hessian is damped (``damp`` times its mean diagonal, increased until Cholesky succeeds); dead
   input channels (never active) get their weight column zeroed. Experts with no tokens keep max calibration.
 """
@@ -32,6 +33,7 @@ from .calibrate import (
     run_forward_loop,
 )
 from .layers import blocks, capture, linear_targets
+from .layerwise import layerwise
 
 __all__ = ["gptq", "gptq_quantize_weight"]
 
@@ -158,9 +160,9 @@ def gptq(model: nn.Module, forward_loop: ForwardLoop | None, **options: Any) -> 
         _column_quantizer(t.weight_quantizer, t.weight().detach().float())  # format check before any pass
     pinned: list[tuple[TensorQuantizer, torch.Tensor]] = []
     idle = 0
-    for block in blocks(targets):
-        with calibration_mode(model), capture(block, gram=True) as stats:
-            run_forward_loop(model, forward_loop, desc="gptq block")
+
+    def quantize_block(block: list, stats: dict) -> None:
+        nonlocal idle
         for t in block:
             st = stats.pop(t.name)
             if not st.count:
@@ -179,7 +181,26 @@ def gptq(model: nn.Module, forward_loop: ForwardLoop | None, **options: Any) -> 
                 pinned.append((q, scales[0].reshape(-1, 1)))
             elif q.spec.kind in ("int", "fp8"):  # per tensor
                 pinned.append((q, scales[0][0].reshape(())))
-    max_calibrate(model, forward_loop)
+
+    with calibration_mode(model):
+        run = layerwise(model, forward_loop, targets, "gptq")
+        if run is not None:  # each layer: its Hessians as it is, GPTQ, its (quantized) outputs
+            for layer in run.layers:
+                if layer.targets:
+                    with capture(layer.targets, gram=True) as stats:
+                        layer.replay()
+                    quantize_block(layer.targets, stats)
+                    del stats
+                if layer.activations or layer.index < len(run.layers) - 1:
+                    layer.advance()
+    if run is not None:
+        run.finish()  # outside calibration_mode, as max calibration runs
+    else:
+        for block in blocks(targets):
+            with calibration_mode(model), capture(block, gram=True) as stats:
+                run_forward_loop(model, forward_loop, desc="gptq block")
+            quantize_block(block, stats)
+        max_calibrate(model, forward_loop)
     for q, amax in pinned:
         q.amax = amax
     if idle:

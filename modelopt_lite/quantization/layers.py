@@ -54,6 +54,7 @@ class Stats:
     count: int = 0
     rows: list[torch.Tensor] = field(default_factory=list)
     gram: torch.Tensor | None = None
+    dtype: torch.dtype | None = None  # of the inputs (the statistics are float32)
 
     def sample(self) -> torch.Tensor | None:
         return torch.cat(self.rows) if self.rows else None
@@ -100,6 +101,7 @@ def groups(targets: list[Target], stats: dict[str, Stats]) -> list[list[Target]]
 
 
 def _record(stats: Stats, x: torch.Tensor, max_rows: int, gram: bool, gram_block: int) -> None:
+    stats.dtype = x.dtype
     x = x.detach().reshape(-1, x.shape[-1]).float()
     if x.shape[0] == 0:
         return

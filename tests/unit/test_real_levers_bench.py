@@ -5,6 +5,7 @@ SmolLM2 package is installed, two levers on the real model with tiny windows."""
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import json
 import math
 import sys
@@ -51,7 +52,8 @@ def _tiny_checkpoint(path: Path) -> None:
 
 def test_quick_run_on_a_tiny_model(tmp_path: Path) -> None:
     _tiny_checkpoint(tmp_path / "m")
-    out = {k: tmp_path / f"r.{k}" for k in ("json", "md", "png")}
+    has_mpl = importlib.util.find_spec("matplotlib") is not None  # the bench extra; CI has none
+    out = {k: tmp_path / f"r.{k}" for k in ("json", "md", "png") if k != "png" or has_mpl}
     argv = [
         "--model-dir",
         str(tmp_path / "m"),
@@ -92,7 +94,8 @@ def test_quick_run_on_a_tiny_model(tmp_path: Path) -> None:
         (rows["weight_only"]["test"]["ppl"] - f_test) / (m_test - f_test)
     )
     assert "| AWQ lite" in out["md"].read_text()
-    assert out["png"].stat().st_size > 0
+    if has_mpl:
+        assert out["png"].stat().st_size > 0
     # --merge joins two runs' rows (one protocol) and writes the same report
     part = tmp_path / "part.json"
     assert real_levers.main([*argv, "--levers", "fp8", "--json", str(part)]) == 0

@@ -10,12 +10,9 @@ staging directory left by a killed builder is removed by the next one.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import shutil
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +21,7 @@ import torch
 from .._cache import cache_base
 from .._version import __version__
 from ..logging import get_logger
+from ._staging import builder_lock, move_into_place
 from .specs import SPECS, DefaultModelSpec, spec_for
 
 if TYPE_CHECKING:
@@ -87,47 +85,6 @@ def build_default_model(spec: DefaultModelSpec, *, force: bool = False, progress
             raise
     logger.info("default model %s written to %s", spec.name, target)
     return target
-
-
-@contextlib.contextmanager
-def builder_lock(target: Path) -> Iterator[bool]:
-    """One builder per model directory: a second process (another rank, another shell) waits for the first
-    and then reuses its model instead of training the same model again. Yields whether the lock is held (an
-    advisory ``flock`` on ``.<name>.lock``, released by the kernel when a holder dies; where ``fcntl`` is
-    missing, no lock: builders race and the first rename wins)."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX
-        yield False
-        return
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{target.name}.lock", "a+b") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            logger.info("default model %s: another process is building it; waiting", target.name)
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield True
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def move_into_place(staging: Path, target: Path) -> None:
-    """Rename ``staging`` to ``target``, replacing an old ``target`` (moved aside first, then deleted)."""
-    old = None
-    if target.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-        os.rename(target, old / target.name)
-    try:
-        os.rename(staging, target)
-    except OSError:
-        if old is not None:  # put the previous model back
-            os.rename(old / target.name, target)
-        raise
-    finally:
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
 
 
 def default_model_path(kind: str = "dense", train_if_missing: bool = True, *, force: bool = False) -> Path:

@@ -38,7 +38,7 @@ import torch
 from .._cache import cache_base
 from .._version import __version__
 from ..logging import get_logger
-from .cache import builder_lock, move_into_place
+from ._staging import builder_lock, move_into_place
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase

@@ -6,6 +6,9 @@ the training classes are imported on first use (so ``import modelopt_lite`` stay
 from typing import Any
 
 from ._version import __version__
+from .logging import quiet_third_party_import_noise
+
+quiet_third_party_import_noise()  # torchao's CUDA-extension lines on CPU machines (see modelopt_lite.logging)
 
 _TRAINING = ("DistillationArguments", "QADTrainer", "QATTrainer", "QuantizationArguments")
 __all__ = ["__version__", *_TRAINING]

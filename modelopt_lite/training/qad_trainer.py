@@ -36,6 +36,38 @@ def _vocab(model: nn.Module) -> int | None:
     return weight.shape[0] if isinstance(weight, torch.Tensor) else getattr(model.config, "vocab_size", None)
 
 
+def _teacher_tokenizer(source: Any, teacher: nn.Module) -> tuple[Any, str] | None:
+    """The teacher's tokenizer, read from its folder (the path given, else its config's ``_name_or_path``),
+    and where it came from; None when there is none to read."""
+    folder = source if isinstance(source, (str, Path)) else getattr(teacher.config, "_name_or_path", "")
+    if not folder or not Path(folder).is_dir():
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True), str(folder)
+    except (OSError, ValueError, TypeError) as err:
+        logger.debug("no tokenizer read from the teacher's folder %s (%s): not compared", folder, err)
+        return None
+
+
+def _check_same_tokenizer(student_tok: Any, found: tuple[Any, str] | None) -> None:
+    """Refuse a teacher whose tokenizer maps any token to another id than the student's."""
+    if student_tok is None or found is None or not hasattr(student_tok, "get_vocab"):
+        return
+    teacher_tok, where = found
+    mine, theirs = student_tok.get_vocab(), teacher_tok.get_vocab()
+    if mine == theirs:
+        return
+    diff = sorted(set(mine.items()) ^ set(theirs.items()), key=lambda kv: (kv[1], kv[0]))[0][0]
+    raise ValueError(
+        f"the teacher's tokenizer ({len(theirs)} tokens, from {where}) differs from the student's "
+        f"({len(mine)} tokens; processing_class): token {diff!r} is id {theirs.get(diff)} for the teacher "
+        f"and {mine.get(diff)} for the student. Distillation compares next-token distributions id by id and "
+        "needs the same tokenizer"
+    )
+
+
 def _load_teacher(path: str, dtype: torch.dtype) -> nn.Module:
     if not Path(path).is_dir():
         raise ValueError(
@@ -67,6 +99,7 @@ class QADTrainer(QATTrainer):
             )
         student = self.accelerator.unwrap_model(self.model)
         dtype = next(student.parameters()).dtype
+        source = teacher
         teacher = _load_teacher(teacher, dtype) if isinstance(teacher, (str, Path)) else teacher
         if not isinstance(teacher, nn.Module):
             raise TypeError(f"teacher_model must be a path or an nn.Module, got {type(teacher).__name__}")
@@ -76,6 +109,7 @@ class QADTrainer(QATTrainer):
                 f"the teacher's vocabulary ({vocab_t}) differs from the student's ({vocab_s}): distillation "
                 "compares their next-token distributions and needs the same tokenizer"
             )
+        _check_same_tokenizer(self.processing_class, _teacher_tokenizer(source, teacher))
         self.teacher = teacher.to(device=self.args.device, dtype=dtype).eval().requires_grad_(False)
         if self.is_fsdp_enabled and getattr(self.accelerator.state.fsdp_plugin, "fsdp_version", 1) == 2:
             blocks = getattr(self.teacher, "_no_split_modules", None) or []

@@ -102,6 +102,7 @@ class QATTrainer(Trainer):
         on = tuning == "on" or (tuning == "auto" and self.args.device.type == "cpu")
         self.malloc_policy = MallocPolicy(on, self.quant_args.malloc_mmap_threshold_mb * 2**20)
         self._amax_params: dict[str, torch.nn.Parameter] = {}
+        self._quantized_by_me = False
         self.add_callback(_AmaxCheckCallback(self))
         self._check_launch()
 
@@ -174,7 +175,15 @@ class QATTrainer(Trainer):
         """Insert quantizers and calibrate (skipped when the model already carries quantizer state)."""
         model = self.model
         if quant_state(model) is not None:
-            logger.info("model already quantized (restored quantizer state): skipping calibration")
+            if self._quantized_by_me:
+                logger.info(
+                    "model quantized and calibrated by quantize_model() earlier: training starts from it"
+                )
+            else:
+                logger.info(
+                    "the model given to the trainer already carries quantizer state (mtq.quantize, "
+                    "mto.restore or from_pretrained of a quantized checkpoint): used as it is, no calibration"
+                )
             return
         if self.quant_args.auto_quantize_bits is not None:
             self._auto_quantize()
@@ -188,6 +197,7 @@ class QATTrainer(Trainer):
             ", learnable amax" if self.quant_args.learn_amax else "",
         )  # fmt: skip
         quantize(model, config, batches, self.quant_args.experts_implementation)
+        self._quantized_by_me = True
 
     def _auto_quantize(self) -> None:
         """``mtq.auto_quantize`` among the recipe's candidates under ``auto_quantize_bits``, calibrated and
@@ -213,6 +223,7 @@ class QATTrainer(Trainer):
             disabled_layers=AUTO_QUANTIZE_DISABLED,
             method=quant.auto_quantize_method,
         )
+        self._quantized_by_me = True
 
     # -- optimizer ---------------------------------------------------------------------------------------
     def get_decay_parameter_names(self, model: torch.nn.Module) -> list[str]:
@@ -347,10 +358,28 @@ class QATTrainer(Trainer):
             self._restore_from_checkpoint(str(resume_from_checkpoint))
         else:
             self.quantize_model()
+        self._check_budget()
         try:
             return super().train(resume_from_checkpoint, *args, **kwargs)
         finally:
             self.gc_policy.close()
+
+    def _check_budget(self) -> None:
+        """WARNING when ``max_steps`` asks for more samples than the training data holds (the loop then
+        repeats the data: recovery follows distinct tokens, not steps, once the data repeats)."""
+        args, data = self.args, self.train_dataset
+        if args.max_steps <= 0 or data is None or not hasattr(data, "__len__"):
+            return
+        per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+        needed = args.max_steps * per_step
+        if len(data) < needed:
+            logger.warning(
+                "max_steps=%d at %d samples a step (%d per device x %d accumulation x %d process(es)) needs "
+                "%d samples; the training data holds %d: each sample is seen %.1f times. Give more distinct "
+                "data or fewer steps",
+                args.max_steps, per_step, args.per_device_train_batch_size, args.gradient_accumulation_steps,
+                args.world_size, needed, len(data), needed / max(len(data), 1),
+            )  # fmt: skip
 
     def training_step(self, *args: Any, **kwargs: Any):
         self.gc_policy.before_step()

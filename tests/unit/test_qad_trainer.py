@@ -126,3 +126,33 @@ def test_bad_teachers_are_refused_before_training(tmp_path):
         QADTrainer(**common, distill_args=DistillationArguments(teacher_model=str(tmp_path / "missing")))
     with pytest.raises(ValueError, match="needs a teacher"):
         QADTrainer(**common)
+
+
+def test_a_teacher_with_another_tokenizer_of_the_same_size_is_refused(tmp_path):
+    from ._models import word_tokenizer
+
+    teacher_dir = tmp_path / "teacher"
+    tiny_llama(seed=1).save_pretrained(teacher_dir)
+    student_tok = word_tokenizer()
+    shuffled = word_tokenizer()
+    shuffled.backend_tokenizer.model = type(shuffled.backend_tokenizer.model)(
+        {**student_tok.get_vocab(), "w1": 2, "w2": 1}, unk_token="w0"
+    )
+    shuffled.save_pretrained(teacher_dir)
+    common = dict(model=tiny_llama(), args=cpu_args(tmp_path), train_dataset=CountingData(), quant_args=NVFP4)
+    distill = DistillationArguments(teacher_model=str(teacher_dir))
+    with pytest.raises(ValueError, match=r"tokenizer \(128 tokens, from .*teacher\) differs .*'w1' is id 2"):
+        QADTrainer(**common, distill_args=distill, processing_class=student_tok)
+    student_tok.save_pretrained(teacher_dir)  # the same tokenizer: accepted
+    QADTrainer(**common, distill_args=distill, processing_class=student_tok)
+
+
+def test_resuming_qad_with_another_quantization_config_is_refused(tmp_path):
+    teacher = tiny_llama(seed=1)
+    common = dict(train_dataset=CountingData(), distill_args=DistillationArguments(), teacher_model=teacher)
+    args = cpu_args(tmp_path, max_steps=2, save_strategy="steps", save_steps=2)
+    QADTrainer(model=tiny_llama(), args=args, quant_args=NVFP4, **common).train()
+    other = QuantizationArguments(recipe="FP8_DEFAULT_CFG", calib_size=8)
+    trainer = QADTrainer(model=tiny_llama(), args=args, quant_args=other, **common)
+    with pytest.raises(ValueError, match="quantization configs differ at"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))

@@ -251,7 +251,7 @@ def test_a_restored_model_is_not_calibrated_again(tmp_path, lib_caplog):
         quant_args=NVFP4,
     )
     trainer.train()
-    assert any("skipping calibration" in r.getMessage() for r in lib_caplog.records)
+    assert any("already carries quantizer state" in r.getMessage() for r in lib_caplog.records)
     assert torch.equal(model.model.layers[0].mlp.up_proj.input_quantizer.amax, amax)
 
 
@@ -269,3 +269,33 @@ def test_qat_on_fused_moe_experts(tmp_path):
     assert model.config._experts_implementation == "grouped_mm"
     assert experts.gate_up_proj_weight_quantizers[0].amax is not None
     assert not torch.equal(experts.gate_up_proj, before)  # the experts were trained
+
+
+def test_quantize_model_before_train_is_named_as_such(tmp_path, lib_caplog):
+    trainer = QATTrainer(
+        model=tiny_llama(),
+        args=cpu_args(tmp_path, max_steps=1),
+        train_dataset=CountingData(),
+        quant_args=NVFP4,
+    )
+    trainer.quantize_model()
+    lib_caplog.clear()
+    trainer.train()
+    messages = [r.getMessage() for r in lib_caplog.records]
+    assert any("by quantize_model() earlier" in m for m in messages)
+    assert not any("carries quantizer state" in m or "restored" in m for m in messages)
+
+
+def test_a_budget_the_data_cannot_fill_warns_with_the_numbers(tmp_path, lib_caplog):
+    data = CountingData()
+    args = cpu_args(tmp_path, max_steps=len(data))  # len(data) steps of per_device_train_batch_size samples
+    QATTrainer(model=tiny_llama(), args=args, train_dataset=data, quant_args=NVFP4)._check_budget()
+    warnings = [r.getMessage() for r in lib_caplog.records if r.levelname == "WARNING"]
+    per_step = args.per_device_train_batch_size
+    assert len(warnings) == 1
+    assert f"needs {len(data) * per_step} samples" in warnings[0]
+    assert f"holds {len(data)}" in warnings[0]
+    lib_caplog.clear()
+    args = cpu_args(tmp_path, max_steps=len(data) // per_step)
+    QATTrainer(model=tiny_llama(), args=args, train_dataset=data, quant_args=NVFP4)._check_budget()
+    assert not [r for r in lib_caplog.records if r.levelname == "WARNING"]

@@ -80,6 +80,9 @@ PTQ_ROWS = (
     "nvfp4_nokv",
     "fp8",
 )
+# real-model lever starts (not in the default --ptq): AWQ-lite, the residual rotation, adaptive block scales,
+# each on NVFP4 W4A4 with the KV cache unquantized
+LEVER_PTQ_ROWS = ("nvfp4_nokv_awq", "nvfp4_nokv_rot", "nvfp4_nokv_46")
 # training row -> (mode, PTQ row it starts from, learnable amax)
 TRAIN_ROWS: dict[str, tuple[str, str, bool]] = {
     "qat nvfp4": ("qat", "nvfp4", False),
@@ -99,6 +102,13 @@ TRAIN_ROWS: dict[str, tuple[str, str, bool]] = {
     "qad nvfp4_nokv": ("qad", "nvfp4_nokv", False),
     "qat fp8": ("qat", "fp8", False),
     "qad fp8": ("qad", "fp8", False),
+    # real-model levers (issue 30): the tied embedding / lm_head frozen; learnable amax; better PTQ starts
+    "qad nvfp4_nokv +frozen_emb": ("qad", "nvfp4_nokv", False),
+    "qad nvfp4_nokv +la": ("qad", "nvfp4_nokv", True),
+    "qad nvfp4_nokv_awq": ("qad", "nvfp4_nokv_awq", False),
+    "qad nvfp4_nokv_rot": ("qad", "nvfp4_nokv_rot", False),
+    "qad nvfp4_nokv_46": ("qad", "nvfp4_nokv_46", False),
+    "qad w4a16_nvfp4 +frozen_emb": ("qad", "w4a16_nvfp4", False),
 }
 DEFAULT_TRAIN = (
     "qat nvfp4",
@@ -111,9 +121,38 @@ DEFAULT_TRAIN = (
     "qat int4",
 )
 # PTQ rows that apply a lever to a plain format -> that format (recovery is measured against its gap)
-LEVER_OF = {"nvfp4_rot": "nvfp4", "nvfp4_awq": "nvfp4", "nvfp4_46": "nvfp4", "int4_awq": "int4"}
+LEVER_OF = {
+    "nvfp4_rot": "nvfp4",
+    "nvfp4_awq": "nvfp4",
+    "nvfp4_46": "nvfp4",
+    "int4_awq": "int4",
+    "nvfp4_nokv_awq": "nvfp4_nokv",
+    "nvfp4_nokv_rot": "nvfp4_nokv",
+    "nvfp4_nokv_46": "nvfp4_nokv",
+}
 TARGETS = {"qat nvfp4": 0.70, "qad nvfp4": 0.85}
-MODELS = ("bench-dense", "bench-moe", "dense", "moe")
+MODELS = ("bench-dense", "bench-moe", "dense", "moe", "smollm2-135m")
+REAL = ("smollm2-135m",)  # real pretrained models (modelopt_lite.models.REAL_MODELS): measured with compare()
+# off-distribution text: continuations sampled from the unquantized model after these prompts (nothing like
+# the corpus, CPython's documentation), so that distillation that only learns the corpus shows up
+OFFDIST_PROMPTS = (
+    "Once upon a time, in a small village by the sea,",
+    "The best way to make a tomato soup is",
+    "Dear Anna, thank you for your letter. Last week",
+    "The football match last night was",
+    "Photosynthesis is the process by which",
+    "In 1850, the city of London",
+    "My favourite holiday destination is",
+    "The stock market fell sharply today because",
+    "To grow healthy roses in your garden,",
+    "The history of the Roman Empire begins",
+    "Yesterday I went to the doctor and",
+    "The new smartphone has a camera that",
+    "A good night's sleep matters because",
+    "The mountains in winter are",
+    "She opened the door and saw",
+    "The most important invention of the twentieth century",
+)
 CALIB_SEQ, CALIB_BATCH = 256, 4
 
 
@@ -151,6 +190,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--calib-size", type=int, default=32, help="calibration windows of 256 tokens")
     p.add_argument("--eval-windows", type=int, default=None, help="cap on validation / test windows")
+    p.add_argument(
+        "--eval-seq",
+        type=int,
+        default=None,
+        help="tokens per evaluation window (default: max_position_embeddings; 512 for a real model)",
+    )
+    p.add_argument(
+        "--train-windows", type=int, default=None, help="cap on distinct training windows (first N of fit)"
+    )
+    p.add_argument(
+        "--offdist-tokens",
+        type=int,
+        default=128,
+        help="real models: tokens sampled from the unquantized model after each of the off-distribution "
+        "prompts (0: no off-distribution rows)",
+    )
+    p.add_argument(
+        "--budget-rows",
+        default="qat nvfp4,qad nvfp4",
+        help="training rows run at each of --budgets (first seed)",
+    )
     p.add_argument("--ptq", default=",".join(PTQ_ROWS), help="PTQ rows")
     p.add_argument("--rows", default=",".join(DEFAULT_TRAIN), help=f"training rows from {list(TRAIN_ROWS)}")
     p.add_argument("--no-control", dest="control", action="store_false", help="skip the ft control")
@@ -165,7 +225,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--png", help="write recovery bars and budget curves here (needs matplotlib)")
     args = p.parse_args(argv)
     args.models, args.ptq, args.rows = _csv(args.models), _csv(args.ptq), _csv(args.rows)
-    args.seeded_rows = _csv(args.seeded_rows)
+    args.seeded_rows, args.budget_rows = _csv(args.seeded_rows), _csv(args.budget_rows)
     try:
         args.seeds = [int(s) for s in _csv(args.seeds)]
         args.budgets = [int(s) for s in _csv(args.budgets)]
@@ -173,13 +233,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--seeds and --budgets take comma-separated integers")
     for value, allowed, flag in (
         (args.models, MODELS, "--models"),
-        (args.ptq, PTQ_ROWS, "--ptq"),
+        (args.ptq, PTQ_ROWS + LEVER_PTQ_ROWS, "--ptq"),
         (args.rows, tuple(TRAIN_ROWS), "--rows"),
+        (args.budget_rows, tuple(TRAIN_ROWS), "--budget-rows"),
     ):
         bad = [v for v in value if v not in allowed]
         if bad:
             p.error(f"{flag}: unknown {bad}; choose from {list(allowed)}")
-    missing = sorted({TRAIN_ROWS[r][1] for r in args.rows} - set(args.ptq))
+    budget_rows = args.budget_rows if args.budgets else []
+    missing = sorted({TRAIN_ROWS[r][1] for r in args.rows + budget_rows} - set(args.ptq))
     if missing:
         p.error(f"--rows start from the PTQ rows {missing}: add them to --ptq")
     if args.quick:
@@ -250,12 +312,16 @@ def ptq_config(row: str) -> dict[str, Any]:
 
     if row in ("nvfp4", "nvfp4_rot"):
         return build_config("nvfp4", "fp8")
+    if row in ("nvfp4_nokv", "nvfp4_nokv_rot"):  # W4A4 as NVFP4_DEFAULT_CFG ships it (KV cache unquantized)
+        return build_config("nvfp4")
+    if row == "nvfp4_nokv_awq":
+        return build_config("nvfp4_awq")
+    if row == "nvfp4_nokv_46":
+        return mtq.get_preset("NVFP4_FOUR_OVER_SIX_CFG")
     if row == "nvfp4_awq":
         return build_config("nvfp4_awq", "fp8")
     if row == "nvfp4_46":
         return mtq.with_kv_cache(mtq.get_preset("NVFP4_FOUR_OVER_SIX_CFG"), "FP8_KV_CFG")
-    if row == "nvfp4_nokv":
-        return build_config("nvfp4")
     if row == "w4a16_nvfp4":
         return build_config("w4a16_nvfp4")
     if row == "a_nvfp4":  # the activation (and KV) half of nvfp4: weights left in full precision
@@ -301,6 +367,7 @@ def _train(
     steps: int,
     seed: int,
     learn_amax: bool = False,
+    freeze_embeddings: bool = False,
 ) -> tuple[Any, dict[str, Any]]:
     from transformers import Trainer
 
@@ -313,6 +380,9 @@ def _train(
         for _, q in iter_quantizers(student):
             if q.is_enabled and q.amax is not None and learnable_amax_error(q.spec) is None:
                 q.learn_amax = True
+    if freeze_embeddings:  # the tied embedding / lm_head keeps its weights (a fifth of SmolLM2-135M's)
+        student.get_input_embeddings().weight.requires_grad_(False)
+        student.get_output_embeddings().weight.requires_grad_(False)
     with tempfile.TemporaryDirectory(prefix="accuracy-bench-") as out:
         common = dict(
             model=student,
@@ -361,17 +431,45 @@ def load_data(
     kind: str, args: argparse.Namespace
 ) -> tuple[Any, Any, dict[str, Any], list[Any], TokenWindows]:
     """The unquantized model (fp32, eval mode), its tokenizer and the data of every row: the
-    ``validation`` / ``test`` windows, the calibration batches and the training windows."""
+    ``validation`` / ``test`` windows (and, for a real model, ``offdist``), the calibration batches and the
+    training windows (the first ``--train-windows`` of the fit split when given)."""
     from modelopt_lite.models import corpus_texts, load_default_model
     from modelopt_lite.models.trainer import token_stream
 
     base, tokenizer = load_default_model(kind, train_if_missing=False)
     base = base.float().eval()
-    eval_seq = base.config.max_position_embeddings
+    eval_seq = args.eval_seq or (512 if kind in REAL else base.config.max_position_embeddings)
     stream = {s: token_stream(tokenizer, corpus_texts(s)) for s in ("fit", "validation", "test")}
     evals = {s: TokenWindows(stream[s], eval_seq).ids[: args.eval_windows] for s in ("validation", "test")}
+    if kind in REAL and args.offdist_tokens:
+        evals["offdist"] = offdist_windows(base, tokenizer, args.offdist_tokens)
     calib_batches = list(TokenWindows(stream["fit"], CALIB_SEQ).ids[: args.calib_size].split(CALIB_BATCH))
-    return base, tokenizer, evals, calib_batches, TokenWindows(stream["fit"], args.seq_len)
+    train_set = TokenWindows(stream["fit"], args.seq_len)
+    if args.train_windows is not None:
+        if args.train_windows > len(train_set):
+            raise SystemExit(f"--train-windows {args.train_windows}: the fit split holds {len(train_set)}")
+        train_set.ids = train_set.ids[: args.train_windows]
+    return base, tokenizer, evals, calib_batches, train_set
+
+
+def offdist_windows(model: Any, tokenizer: Any, new_tokens: int, seed: int = 0) -> Any:
+    """One window per :data:`OFFDIST_PROMPTS` prompt: ``bos prompt`` and ``new_tokens`` tokens sampled from
+    ``model`` (temperature 1, no top-k / top-p, end of text suppressed), cut to the shortest prompt's length
+    so that the windows stack."""
+    import torch
+
+    torch.manual_seed(seed)
+    rows = []
+    for prompt in OFFDIST_PROMPTS:
+        ids = torch.tensor([[tokenizer.bos_token_id, *tokenizer(prompt, add_special_tokens=False).input_ids]])
+        with torch.no_grad():
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=tokenizer.eos_token_id,
+            )  # fmt: skip
+        rows.append(out[0])
+    length = min(len(r) for r in rows)
+    return torch.stack([r[:length] for r in rows])
 
 
 def measure(kind: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -382,7 +480,10 @@ def measure(kind: str, args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     base, tokenizer, evals, calib_batches, train_set = load_data(kind, args)
     eval_seq = base.config.max_position_embeddings
-    base_lp = base_logprobs(base, evals["test"])
+    from modelopt_lite.evaluation import compare
+
+    real = kind in REAL
+    base_lp = None if real else base_logprobs(base, evals["test"])
     print(
         f"\n## {kind}: {sum(p.numel() for p in base.parameters()) / 1e6:.2f}M parameters; validation "
         f"{tuple(evals['validation'].shape)}, test {tuple(evals['test'].shape)} windows; calibration "
@@ -392,18 +493,37 @@ def measure(kind: str, args: argparse.Namespace) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
 
     def add(name: str, method: str, model: Any, **extra: Any) -> dict[str, Any]:
-        row = {
-            "name": name,
-            "method": method,
-            "val_ppl": _ppl(model, evals["validation"]),
-            "test_ppl": _ppl(model, evals["test"]),
-            "kl": _kl(base_lp, model, evals["test"]),
-            **extra,
-        }
+        if base_lp is None:  # a real model: both models batch by batch (evaluation.compare)
+            row = {"name": name, "method": method}
+            for split, key in (("validation", "val"), ("test", "test"), ("offdist", "offdist")):
+                if split in evals:
+                    c = compare(base, model, evals[split])
+                    row[f"{key}_ppl"], row[f"{key}_kl"], row[f"{key}_top1"] = (
+                        c.perplexity,
+                        c.kl,
+                        c.top1_agreement,
+                    )
+            row["kl"] = row["test_kl"]
+            row.update(extra)
+        else:
+            row = {
+                "name": name,
+                "method": method,
+                "val_ppl": _ppl(model, evals["validation"]),
+                "test_ppl": _ppl(model, evals["test"]),
+                "kl": _kl(base_lp, model, evals["test"]),
+                **extra,
+            }
         rows.append(row)
         print(
             f"  {name:<18} seed {extra.get('seed', '-')!s:>2} steps {extra.get('steps', '-')!s:>4}   val ppl "
-            f"{row['val_ppl']:8.3f}   test ppl {row['test_ppl']:8.3f}   KL {1e3 * row['kl']:7.3f}e-3",
+            f"{row['val_ppl']:8.3f}   test ppl {row['test_ppl']:8.3f}   KL {1e3 * row['kl']:7.3f}e-3"
+            + (f"   top-1 {row['test_top1']:.3f}" if "test_top1" in row else "")
+            + (
+                f"   off-dist ppl {row['offdist_ppl']:.3f} KL {row['offdist_kl']:.3f}"
+                if "offdist_ppl" in row
+                else ""
+            ),
             flush=True,
         )
         return row
@@ -427,14 +547,17 @@ def measure(kind: str, args: argparse.Namespace) -> dict[str, Any]:
         # a lever row (rotation, AWQ start) is measured against the gap of the plain format's PTQ row, so
         # that what the lever buys before training counts too
         ptq_row = ptq[LEVER_OF.get(start_row, start_row) if LEVER_OF.get(start_row) in ptq else start_row][1]
+        frozen = name.endswith("+frozen_emb")
         model, stats = _train(
-            mode, copy.deepcopy(model0), teacher, train_set, tokenizer, args, steps, seed, learn
+            mode, copy.deepcopy(model0), teacher, train_set, tokenizer, args, steps, seed, learn, frozen
         )
         row = add(
             name, mode, model, seed=seed, starts_from=f"ptq {start_row}", gap_of=ptq_row["name"], **stats
         )
         goal = controls.get((steps, seed)) if mode == "qat" else baseline
-        for split in ("val", "test"):
+        for split in ("val", "test", "offdist"):
+            if f"{split}_ppl" not in row:
+                continue
             row[f"{split}_recovery"] = (
                 None
                 if goal is None
@@ -442,6 +565,11 @@ def measure(kind: str, args: argparse.Namespace) -> dict[str, Any]:
             )
         row["recovery_goal"] = "ft (same budget, seed, lr)" if mode == "qat" else "unquantized"
         row["kl_recovery"] = 1 - row["kl"] / ptq_row["kl"] if ptq_row["kl"] > 0 else None
+        if "offdist_kl" in row:
+            row["offdist_kl_recovery"] = 1 - row["offdist_kl"] / ptq_row["offdist_kl"]
+        if "test_top1" in row:  # the share of the top-1 agreement lost by PTQ that training won back
+            lost = 1 - ptq_row["test_top1"]
+            row["top1_recovery"] = (row["test_top1"] - ptq_row["test_top1"]) / lost if lost > 0 else None
         rec = "n/a" if row["test_recovery"] is None else f"{100 * row['test_recovery']:.1f}%"
         print(f"    test recovery {rec}; {stats['train_seconds']:.0f} s")
 
@@ -459,11 +587,11 @@ def measure(kind: str, args: argparse.Namespace) -> dict[str, Any]:
         if steps == args.steps:
             continue
         seed = args.seeds[0]
-        model, stats = _train("ft", copy.deepcopy(base), None, train_set, tokenizer, args, steps, seed)
-        controls[(steps, seed)] = add("ft", "ft", model, seed=seed, **stats)
-        for name in ("qat nvfp4", "qad nvfp4"):
-            if "nvfp4" in ptq:
-                trained(name, steps, seed, controls)
+        if any(TRAIN_ROWS[r][0] == "qat" for r in args.budget_rows):
+            model, stats = _train("ft", copy.deepcopy(base), None, train_set, tokenizer, args, steps, seed)
+            controls[(steps, seed)] = add("ft", "ft", model, seed=seed, **stats)
+        for name in args.budget_rows:
+            trained(name, steps, seed, controls)
     return {
         "kind": kind,
         "eval_seq": eval_seq,
@@ -508,7 +636,11 @@ def summarize(result: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
     for (name, steps), rs in groups.items():
         line: dict[str, Any] = {"name": name, "steps": steps, "seeds": len(rs), "method": rs[0]["method"]}
-        for key in ("val_ppl", "test_ppl", "kl", "val_recovery", "test_recovery", "kl_recovery"):
+        for key in (
+            "val_ppl", "test_ppl", "kl", "val_recovery", "test_recovery", "kl_recovery", "test_top1",
+            "top1_recovery", "offdist_ppl", "offdist_kl", "offdist_recovery", "offdist_kl_recovery",
+            "train_seconds",
+        ):  # fmt: skip
             values = [r[key] for r in rs if r.get(key) is not None]
             if values:
                 line[key] = statistics.fmean(values)

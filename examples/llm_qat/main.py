@@ -19,6 +19,7 @@ KL to the model as given follow ``modelopt_lite.evaluation``'s protocol (``eval_
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 from dataclasses import dataclass, field, fields
@@ -112,11 +113,14 @@ def parse(argv: list[str]) -> tuple[Any, ...]:
     return parser.parse_args_into_dataclasses(args=config_args + argv)
 
 
-def split_texts(data: DataArguments) -> tuple[list[str], list[str]]:
-    """(train texts, held-out texts)."""
+def split_texts(data: DataArguments, default_model: str | None) -> tuple[list[str], list[str]]:
+    """(train texts, held-out texts). The corpus for a real model: its ``fit`` split for training and its
+    ``test`` split for evaluation (the ``validation`` split between them is left for choosing settings)."""
     if data.dataset is None:
-        from modelopt_lite.models import corpus_texts
+        from modelopt_lite.models import REAL_MODELS, corpus_texts
 
+        if default_model in REAL_MODELS:
+            return corpus_texts("fit"), corpus_texts("test")
         return corpus_texts("train"), corpus_texts("heldout")
     try:
         texts = load_texts(data.dataset, text_field=data.text_field)
@@ -127,6 +131,7 @@ def split_texts(data: DataArguments) -> tuple[list[str], list[str]]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     model_args, data, training, quant, distill = parse(sys.argv[1:] if argv is None else argv)
+    named = model_args.default_model if model_args.model_name_or_path is None else None
     if model_args.model_name_or_path is None:
         from modelopt_lite.models import default_model_path
 
@@ -139,22 +144,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     load = dict(dtype=dtype, trust_remote_code=model_args.trust_remote_code, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(path, **load)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    train_texts, eval_texts = split_texts(data)
+    train_texts, eval_texts = split_texts(data, named)
     train_set = TokenWindows(token_stream(tokenizer, train_texts), data.seq_len, data.train_samples)
     eval_seq = data.eval_seq_len or evaluation.default_window(model.config)
     held_out = TokenWindows(token_stream(tokenizer, eval_texts), eval_seq, data.eval_samples).ids
     batch = training.per_device_eval_batch_size
     results: dict[str, Any] = {"model": path, "recipe": quant.recipe, "train_samples": len(train_set)}
     results["eval_protocol"] = evaluation.describe(held_out)
-    results["ppl_baseline"] = evaluation.perplexity(model, held_out, batch)
-    reference = evaluation.reference_within(model, held_out)  # for KL(model as given || model)
+    # the model as given, kept unquantized for KL(model as given || model) and top-1 agreement, compared
+    # batch by batch (nothing of a whole evaluation is stored); QAD's teacher is that model already
+    teacher = distill.teacher_model
+    reference = None if teacher == "same" else copy.deepcopy(model)
 
     def measure(key: str, measured: Any) -> None:
-        results[f"ppl_{key}"] = evaluation.perplexity(measured, held_out, batch)
-        if reference is not None:
-            results[f"kl_{key}"] = evaluation.kl_per_token(reference, measured, held_out)
+        c = evaluation.compare(reference, measured, held_out, batch)
+        results["ppl_baseline"] = c.reference_perplexity
+        results[f"ppl_{key}"], results[f"kl_{key}"], results[f"top1_{key}"] = (
+            c.perplexity,
+            c.kl,
+            c.top1_agreement,
+        )
+        logger.info(
+            "%s: perplexity %.3f (model as given %.3f), KL %.4f nats/token, top-1 agreement %.3f",
+            key, c.perplexity, c.reference_perplexity, c.kl, c.top1_agreement,
+        )  # fmt: skip
 
-    teacher = distill.teacher_model
     if teacher == "same":
         distill.teacher_model = path
     common = dict(
@@ -162,6 +176,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     trainer = QADTrainer(**common, distill_args=distill) if teacher else QATTrainer(**common)
     results["mode"] = "qad" if teacher else "qat"
+    if reference is None:
+        reference = trainer.teacher
     trainer.quantize_model()  # PTQ first, to report what training recovers
     measure("ptq", model)
     trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)

@@ -397,3 +397,27 @@ def test_casting_the_model_keeps_amax_in_float32():
     assert q.amax.dtype == torch.float32
     assert torch.equal(q.amax, amax)
     assert model(batches()[0]).logits.dtype == torch.bfloat16
+
+
+def _head_widths(model, calibrate):
+    seen = []
+    handle = model.lm_head.register_forward_pre_hook(lambda _m, args: seen.append(args[0].shape[1]))
+    calibrate(model)
+    handle.remove()
+    return seen
+
+
+def test_calibration_skips_the_unquantized_output_layer_on_all_but_the_last_position():
+    """An iterable forward_loop on a causal LM whose lm_head is not quantized (the presets exclude it)
+    computes the logits of the last position only, with every calibrated amax as with full logits; a
+    quantized lm_head still sees every position."""
+    data = batches(2, seq=16)
+    cfg = mtq.get_preset("NVFP4_DEFAULT_CFG")
+    fast, full = tiny_llama(), tiny_llama()
+    assert _head_widths(fast, lambda m: mtq.quantize(m, cfg, data)) == [1, 1]
+    assert _head_widths(full, lambda m: mtq.quantize(m, cfg, lambda mm: [mm(b) for b in data])) == [16, 16]
+    amax = {n: q.amax for n, q in mtq.iter_quantizers(full) if q.amax is not None}
+    assert amax
+    assert all(torch.equal(q.amax, amax[n]) for n, q in mtq.iter_quantizers(fast) if n in amax)
+    with_head = {**cfg, "quant_cfg": [*cfg["quant_cfg"], {"quantizer_name": "*lm_head*", "enable": True}]}
+    assert _head_widths(tiny_llama(), lambda m: mtq.quantize(m, with_head, data)) == [16, 16]

@@ -153,6 +153,7 @@ OFFDIST_PROMPTS = (
     "She opened the door and saw",
     "The most important invention of the twentieth century",
 )
+GEN_PROMPTS = ("The capital of France is", "To open a file in Python,", "Once upon a time,")
 CALIB_SEQ, CALIB_BATCH = 256, 4
 
 
@@ -205,6 +206,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=128,
         help="real models: tokens sampled from the unquantized model after each of the off-distribution "
         "prompts (0: no off-distribution rows)",
+    )
+    p.add_argument(
+        "--gen-tokens",
+        type=int,
+        default=24,
+        help="real models: greedy tokens after each of GEN_PROMPTS per row",
     )
     p.add_argument(
         "--budget-rows",
@@ -480,7 +487,7 @@ def measure(kind: str, args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     base, tokenizer, evals, calib_batches, train_set = load_data(kind, args)
     eval_seq = base.config.max_position_embeddings
-    from modelopt_lite.evaluation import compare
+    from modelopt_lite.evaluation import compare, greedy_continuations
 
     real = kind in REAL
     base_lp = None if real else base_logprobs(base, evals["test"])
@@ -504,6 +511,10 @@ def measure(kind: str, args: argparse.Namespace) -> dict[str, Any]:
                         c.top1_agreement,
                     )
             row["kl"] = row["test_kl"]
+            if args.gen_tokens:
+                row["generations"] = greedy_continuations(
+                    model, tokenizer, list(GEN_PROMPTS), args.gen_tokens
+                )
             row.update(extra)
         else:
             row = {

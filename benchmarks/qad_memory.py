@@ -1,6 +1,10 @@
 """Peak memory and step time of QAD training steps: chunked vs unchunked distillation loss, 32k vocabulary.
 
     OMP_NUM_THREADS=2 python benchmarks/qad_memory.py [--steps 2] [--repeats 2] [--quick] [--json out.json]
+        [--model smollm2-135m]
+
+``--model smollm2-135m``: the real model instead (``modelopt_lite.models``; vocabulary 49152, tied
+embedding), the same data shape and modes; its children get 20 minutes each instead of 5.
 
 Model: ``LlamaForCausalLM`` from a config (hidden 256, intermediate 688, 2 layers, 4 heads / 2 KV heads,
 vocab 32768, untied ``lm_head``), fp32, ``torch.manual_seed(0)``; the teacher is an unquantized deep copy of
@@ -68,7 +72,7 @@ def _malloc_trim() -> None:
         pass  # not glibc
 
 
-def _child(mode: str, recipe: str, chunk: int, threads: int, steps: int) -> dict:
+def _child(mode: str, recipe: str, chunk: int, threads: int, steps: int, name: str | None = None) -> dict:
     import copy
     import gc
     import tempfile
@@ -80,9 +84,15 @@ def _child(mode: str, recipe: str, chunk: int, threads: int, steps: int) -> dict
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**MODEL)).float()
+    if name:
+        from modelopt_lite.models import load_default_model
+
+        model = load_default_model(name)[0].float()
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**MODEL)).float()
+    vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(1234)
-    ids = torch.randint(0, VOCAB, (BATCH * (1 + steps), SEQ), generator=gen)
+    ids = torch.randint(0, vocab, (BATCH * (1 + steps), SEQ), generator=gen)
     data = [{"input_ids": row, "labels": row} for row in ids]
 
     class Probe(TrainerCallback):
@@ -140,8 +150,12 @@ def _run_child(mode: str, args) -> dict:
     env = h.child_env(args.threads, h.REPO_ROOT, TRANSFORMERS_VERBOSITY="error", **malloc)
     cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--recipe", args.recipe]
     cmd += ["--chunk", str(args.chunk), "--threads", str(args.threads), "--steps", str(args.steps)]
+    cmd += ["--model", args.model] if args.model else []
     # peak memory does not depend on load: a disturbed child is flagged, not rerun
-    return h.run_child_when_quiet(cmd, env, max_other=args.max_other_load, max_wait=args.max_wait, limit=300)
+    limit = 1200 if args.model else 300
+    return h.run_child_when_quiet(
+        cmd, env, max_other=args.max_other_load, max_wait=args.max_wait, limit=limit
+    )
 
 
 def main() -> None:
@@ -159,17 +173,29 @@ def main() -> None:
         "--mmap-threshold", type=int, default=131072,
         help="MALLOC_MMAP_THRESHOLD_ for the children (0: glibc's dynamic default)",
     )  # fmt: skip
+    parser.add_argument("--model", help="a real model by name (smollm2-135m) instead of the config model")
     parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        h.run_and_emit(lambda: _child(args.child, args.recipe, args.chunk, args.threads, args.steps), 300)
+        run = lambda: _child(args.child, args.recipe, args.chunk, args.threads, args.steps, args.model)  # noqa: E731
+        h.run_and_emit(run, 1200 if args.model else 300)
         return
     if args.quick:
         args.steps, args.repeats = 1, 1
 
-    logits_mb = BATCH * (SEQ - 1) * VOCAB * 4 / 2**20
+    vocab = VOCAB
+    if args.model:
+        from modelopt_lite.models import default_model_path
+
+        vocab = json.loads((default_model_path(args.model) / "config.json").read_text())["vocab_size"]
+    logits_mb = BATCH * (SEQ - 1) * vocab * 4 / 2**20
+    what = (
+        f"{args.model} (vocab {vocab}, tied embedding)"
+        if args.model
+        else f"Llama (hidden 256, 2 layers, vocab {VOCAB})"
+    )
     print(
-        f"Llama (hidden 256, 2 layers, vocab {VOCAB}), fp32, {args.recipe}, batch {BATCH}x{SEQ}; threads "
+        f"{what}, fp32, {args.recipe}, batch {BATCH}x{SEQ}; threads "
         f"{args.threads}; {args.steps} measured step(s) after 1 warm-up; {args.repeats} fresh process(es) "
         f"per mode; one full fp32 logits tensor = {logits_mb:.1f} MB", flush=True,
     )  # fmt: skip
@@ -248,6 +274,7 @@ def main() -> None:
         with open(args.json, "w") as f:
             meta = dict(threads=args.threads, steps=args.steps, repeats=args.repeats, chunk=args.chunk)
             meta.update(recipe=args.recipe, mmap_threshold=args.mmap_threshold, logits_mb=logits_mb)
+            meta.update(model=args.model or "config Llama, hidden 256, 2 layers, vocab 32768")
             json.dump({**meta, "ratios": ratios, "results": results}, f, indent=1)
 
 

@@ -214,7 +214,7 @@ def _example(name: str):
 
 @needs_smollm2
 @pytest.mark.slow
-def test_smollm2_qad_config_trains_on_fit_and_lowers_the_kl_on_test(smollm2_path, tmp_path, monkeypatch):
+def test_smollm2_qad_config_trains_on_fit_and_measures_on_test(smollm2_path, tmp_path, monkeypatch):
     """examples/llm_qat/configs/smollm2_qad_nvfp4.yaml through main.py, small: the real model's corpus
     splits (fit for training, test for evaluation), PTQ, 4 QAD steps of 2 x 64 tokens (too few to move
     the test KL reliably: docs/real_qad.md has the recovery at real budgets), export read back."""

@@ -4,25 +4,31 @@ after the first optimizer step, and the check that no learnable amax went to zer
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from transformers import TrainerCallback
 
 from ..distributed import all_reduce_max, world_size
+from .arguments import QuantizationArguments
 from .gc_policy import GCPolicy
 
-if TYPE_CHECKING:
-    from .qat_trainer import QATTrainer
-
 __all__: list[str] = []  # QATTrainer's own
+
+
+class _AmaxOwner(Protocol):
+    """What the amax check reads of its trainer (a ``QATTrainer``; named by shape, so that this module
+    does not import the trainer that imports it)."""
+
+    _amax_params: dict[str, torch.nn.Parameter]
+    quant_args: QuantizationArguments
 
 
 class _AmaxCheckCallback(TrainerCallback):
     """After each optimizer step: a learnable amax that reached zero or below quantizes everything it covers
     to zero; stop with the quantizer's name instead of training on silently."""
 
-    def __init__(self, trainer: QATTrainer):
+    def __init__(self, trainer: _AmaxOwner):
         self.trainer = trainer
 
     def on_step_end(self, args, state, control, **kwargs):

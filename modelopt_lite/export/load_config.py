@@ -3,13 +3,21 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .hf_config import QUANT_METHOD
 
 __all__ = ["ModeloptExportConfig"]
+
+
+class ExportQuantizerView(Protocol):
+    """What the loading operations read of the loader's ``ModeloptExportQuantizer`` (named by shape, so that
+    :mod:`.load_dequantize` and :mod:`.load_packed` do not import the loader that imports them)."""
+
+    quantization_config: ModeloptExportConfig
+    _packed_experts: dict[str, tuple[tuple[str, ...], bool]]
 
 
 class ModeloptExportConfig(QuantizationConfigMixin):

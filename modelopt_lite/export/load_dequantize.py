@@ -13,7 +13,7 @@ from transformers.core_model_loading import ConversionOps
 from .packers import PACKERS, Packer
 
 if TYPE_CHECKING:
-    from .loader import ModeloptExportQuantizer
+    from .load_config import ExportQuantizerView
 
 __all__ = ["ModeloptDequantize", "dequantize_layer"]
 
@@ -61,7 +61,7 @@ def dequantize_layer(
 class ModeloptDequantize(ConversionOps):
     """Loading op: every stored weight with its companions -> one dense weight in the parameter's dtype."""
 
-    def __init__(self, hf_quantizer: ModeloptExportQuantizer):
+    def __init__(self, hf_quantizer: ExportQuantizerView):
         self.hf_quantizer = hf_quantizer
 
     def convert(

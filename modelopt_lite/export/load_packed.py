@@ -19,8 +19,7 @@ from .layers import _interleaved
 from .load_dequantize import _COMPANIONS, ModeloptDequantize, _first, _packer_for
 
 if TYPE_CHECKING:
-    from .load_config import ModeloptExportConfig
-    from .loader import ModeloptExportQuantizer
+    from .load_config import ExportQuantizerView, ModeloptExportConfig
 
 __all__ = ["ModeloptKeepPacked", "ModeloptKeepPackedExperts", "PackedLoading"]
 
@@ -118,7 +117,7 @@ class ModeloptKeepPackedExperts(ConversionOps):
     halves concatenated (or interleaved) along the rows, each expert staying ``(out, in)`` whatever the
     model's storage layout; any other merge runs ``fallback`` (dequantize, then the model's own ops)."""
 
-    def __init__(self, hf_quantizer: ModeloptExportQuantizer, fallback: list[ConversionOps]):
+    def __init__(self, hf_quantizer: ExportQuantizerView, fallback: list[ConversionOps]):
         self.hf_quantizer = hf_quantizer
         self.fallback = fallback
 

@@ -196,9 +196,19 @@ def crash_error(proc: subprocess.CompletedProcess, limit: int = 200) -> dict:
     return {"error": f"child exited {proc.returncode}: {tail}"[:limit], "traceback": proc.stderr[-4000:]}
 
 
-def run_child(cmd: Sequence[str], env: dict[str, str], cwd: str | None = None, limit: int = 200) -> dict:
-    """Run a child to the end and return its last ``@@RESULT``, else :func:`crash_error`."""
-    proc = subprocess.run(list(cmd), capture_output=True, text=True, env=env, cwd=cwd)
+def run_child(
+    cmd: Sequence[str],
+    env: dict[str, str],
+    cwd: str | None = None,
+    limit: int = 200,
+    timeout: float | None = None,
+) -> dict:
+    """Run a child to the end and return its last ``@@RESULT``, else :func:`crash_error`. A child still
+    running after ``timeout`` seconds is killed: ``{"error": "timed out after N s", "timed_out_s": N}``."""
+    try:
+        proc = subprocess.run(list(cmd), capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:g} s", "timed_out_s": timeout}
     results = parse_results(proc.stdout)
     return results[-1] if results else crash_error(proc, limit)
 

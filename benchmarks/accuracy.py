@@ -228,7 +228,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="measure nothing: combine the --json files of earlier runs (e.g. one per model, run side by "
         "side) into one table / --json / --png",
     )
-    p.add_argument("--json", help="write the numbers here")
+    p.add_argument(
+        "--json",
+        help="write the numbers here (each finished row also goes to F.partial at once, removed at the end)",
+    )
     p.add_argument("--png", help="write recovery bars and budget curves here (needs matplotlib)")
     args = p.parse_args(argv)
     args.models, args.ptq, args.rows = _csv(args.models), _csv(args.ptq), _csv(args.rows)
@@ -526,6 +529,9 @@ def measure(kind: str, args: argparse.Namespace) -> dict[str, Any]:
                 **extra,
             }
         rows.append(row)
+        if args.json:  # every finished row is on disk at once: a stopped run loses only the row in progress
+            partial = Path(f"{args.json}.partial")
+            partial.write_text(json.dumps({"model": kind, "rows": rows}, indent=1) + "\n")
         print(
             f"  {name:<18} seed {extra.get('seed', '-')!s:>2} steps {extra.get('steps', '-')!s:>4}   val ppl "
             f"{row['val_ppl']:8.3f}   test ppl {row['test_ppl']:8.3f}   KL {1e3 * row['kl']:7.3f}e-3"
@@ -790,6 +796,7 @@ def main(argv: list[str] | None = None) -> int:
             "targets": TARGETS,
         }
         Path(args.json).write_text(json.dumps({"meta": meta, "models": results}, indent=1) + "\n")
+        Path(f"{args.json}.partial").unlink(missing_ok=True)
         print(f"wrote {args.json}")
     if args.png:
         plot(results, args.png, args.steps)

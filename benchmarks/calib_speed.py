@@ -177,13 +177,21 @@ def _prepare(args: argparse.Namespace, workdir: str) -> tuple[str, str, str]:
     return model_dir, data, what
 
 
-def _run(python: str, which: str, spec: dict, workdir: str, threads: int, before: str | None = None) -> dict:
+def _run(
+    python: str,
+    which: str,
+    spec: dict,
+    workdir: str,
+    threads: int,
+    before: str | None = None,
+    timeout: float | None = None,
+) -> dict:
     path = os.path.join(workdir, f"spec-{which}.json")
     with open(path, "w") as f:
         json.dump({**spec, "which": "ref" if which == "ref" else "ours", "threads": threads}, f)
     cmd = [python, os.path.abspath(__file__), "--child", path]
     pythonpath = {"ours": h.REPO_ROOT, "before": before}.get(which)
-    return h.run_child(cmd, h.child_env(threads, pythonpath), cwd=workdir)
+    return h.run_child(cmd, h.child_env(threads, pythonpath), cwd=workdir, timeout=timeout)
 
 
 def _reference(args: argparse.Namespace) -> tuple[str | None, str]:
@@ -200,6 +208,8 @@ def _reference(args: argparse.Namespace) -> tuple[str | None, str]:
 def _cell(m: dict | None) -> str:
     if m is None:
         return "skipped"
+    if "timed_out_s" in m:
+        return f"> {m['timed_out_s']:.0f} (stopped)"
     if "error" in m:
         return f"n/a ({m['error'][:60]})"
     return h.fmt_median_min(m, ".1f")
@@ -223,7 +233,14 @@ def main(argv: list[str] | None = None) -> dict:
         "--before", help="a checkout of an earlier version of this library, timed as a third side 'before'"
     )
     parser.add_argument("--quick", action="store_true", help="tiny model built in code, a few rows, 1 repeat")
-    parser.add_argument("--json", help="write the results here")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=900.0,
+        help="stop a calibration still running after this many seconds; the row shows '> N' and its ratio "
+        "an upper bound (default 900)",
+    )
+    parser.add_argument("--json", help="write the results here (rewritten after every row)")
     args = parser.parse_args(argv)
     if args.child:
         _child(args.child)
@@ -269,7 +286,7 @@ def main(argv: list[str] | None = None) -> dict:
                 for side, python in sides.items():
                     if side in errors:
                         continue
-                    res = _run(python, side, spec, workdir, args.threads, args.before)
+                    res = _run(python, side, spec, workdir, args.threads, args.before, args.timeout)
                     if "error" in res:
                         errors[side] = res
                         print(f"  {name:<20} {side:<4} failed: {res['error']}", file=sys.stderr, flush=True)
@@ -280,10 +297,11 @@ def main(argv: list[str] | None = None) -> dict:
             row = {}
             for side in sides:
                 if side in errors:
-                    row[side] = {"error": errors[side]["error"]}
+                    row[side] = {k: v for k, v in errors[side].items() if k in ("error", "timed_out_s")}
                 else:
                     row[side] = {**h.time_stats(r["seconds"] for r in runs[side]), "runs": runs[side]}
             out["rows"][name] = {"preset": preset, "algorithm": algorithm or "preset's", **row}
+            _save(out, args.json)
         for preset in forward:
             spec = {"kind": "forward", "model_dir": model_dir, "data": data, "preset": preset,
                     "algorithm": "max", "repeats": 1 if args.quick else args.forward_repeats}  # fmt: skip
@@ -301,11 +319,25 @@ def main(argv: list[str] | None = None) -> dict:
                                for kind, v in t.items()}  # fmt: skip
                 entry[side]["other_cores_busy"] = res["other_cores_busy"]
             out["forward"][preset] = entry
+            _save(out, args.json)
     _print(out, sides)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
     return out
+
+
+def _save(out: dict, path: str | None) -> None:
+    """Every finished row on disk at once: a run stopped part way keeps what it measured."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+def _ratio(ours: dict | None, ref: dict | None) -> str:
+    """ours / reference (median); ``< x`` when the reference was stopped at the timeout."""
+    if not ours or not ref or "error" in ours:
+        return "n/a"
+    if "timed_out_s" in ref:
+        return f"< {ours['median_s'] / ref['timed_out_s']:.2f}"
+    return "n/a" if "error" in ref else f"{ours['median_s'] / ref['median_s']:.2f}"
 
 
 def _print(out: dict, sides: dict) -> None:
@@ -318,8 +350,7 @@ def _print(out: dict, sides: dict) -> None:
     )
     for name, row in out["rows"].items():
         ours, ref = row.get("ours"), row.get("ref")
-        ratio = (f"{ours['median_s'] / ref['median_s']:.2f}"
-                 if ours and ref and "error" not in ours and "error" not in ref else "n/a")  # fmt: skip
+        ratio = _ratio(ours, ref)
         old = f"{_cell(row.get('before')):>18}" if before else ""
         print(f"{name:<22}{_cell(ours):>18}{old}{_cell(ref):>22}{ratio:>12}")
     if out["forward"]:

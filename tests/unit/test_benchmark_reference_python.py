@@ -41,3 +41,13 @@ def test_the_environment_variable_is_the_default(monkeypatch):
     assert h.default_reference_python() == "/opt/ref/bin/python"
     monkeypatch.setenv(h.REFERENCE_PYTHON_ENV, "")
     assert h.default_reference_python() is None
+
+
+def test_a_child_past_its_timeout_is_stopped_and_says_so():
+    """A reference calibration that takes far longer than ours must not hold a benchmark for an hour: the
+    child is killed at ``timeout`` and the result says how long it was given (the table shows '> N')."""
+    cmd = [sys.executable, "-c", "import time; time.sleep(30)"]
+    res = h.run_child(cmd, dict(os.environ), timeout=0.5)
+    assert res == {"error": "timed out after 0.5 s", "timed_out_s": 0.5}
+    done = h.run_child([sys.executable, "-c", "print('@@RESULT {\"seconds\": 1.0}')"], dict(os.environ))
+    assert done == {"seconds": 1.0}

@@ -123,7 +123,7 @@ class IdleExperts:
 
     def _describe(self) -> str:
         parts = [
-            f"{name} (fused): experts {idle} use the shared gate_up_proj / down_proj input amax"
+            f"{name} (fused): experts {idle} use the amax of the module's shared input quantizers"
             for name, idle in self.shared.items()
         ]
         parts += [

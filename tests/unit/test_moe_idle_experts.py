@@ -42,7 +42,7 @@ def test_fused_experts_without_tokens_warn_export_and_reload(tmp_path, lib_caplo
     for name, module in experts.items():
         idle = report[name]["experts_without_tokens"]
         assert len(idle) == 2, report[name]  # one token, top-2 of 4 experts
-        assert f"{name} (fused): experts {idle} use the shared" in warned[0]
+        assert f"{name} (fused): experts {idle} use the amax of the module's shared input" in warned[0]
         for e in idle:  # weights from the weights; inputs through the shared, calibrated quantizers
             q = module.gate_up_proj_weight_quantizers[e]
             assert torch.equal(q.amax, module.expert_weight("gate_up_proj", e).abs().amax())

@@ -32,7 +32,8 @@ from ..distributed import (
     weight_access,
 )
 from ..logging import get_logger, get_rank
-from ..moe import record_amax_fills, reset_coverage
+from ..moe import expert_containers, record_amax_fills, reset_coverage
+from ..moe.sequential import split_expert_name
 from ..nn import QuantModule, SequentialQuantizer, TensorQuantizer, iter_quantizers
 from ..nn.calibrators import sync_calibrators
 from ..nn.quant_module import replaced_forward
@@ -316,9 +317,17 @@ def _why_no_data(model: nn.Module, empty: list[str]) -> str:
             f"({'; '.join(replaced[:4])}): quantize before replacing forward, or have the replacement call "
             "the module's class forward"
         )
+    containers = expert_containers(model)
+    experts = (
+        " Those inside MoE experts received no tokens, and no other expert of their layer can stand in for "
+        "them (none received data either, or the others have a pre_quant_scale of their own, e.g. after "
+        "SmoothQuant / AWQ)"
+        if any(split_expert_name(name, containers) is not None for name in empty)
+        else ""
+    )
     return (
         "Their modules never ran in forward_loop: feed data that reaches them or disable them in the config "
-        "(or a forward replaced on the instance bypassed the quantized class forward)"
+        f"(or a forward replaced on the instance bypassed the quantized class forward).{experts}"
     )
 
 

@@ -5,12 +5,13 @@
   tokens; its weight quantizers are calibrated from its weights.
 * Experts that are separate modules (an ``nn.ModuleList`` / ``nn.ModuleDict`` of MLPs) have activation
   quantizers of their own, which saw nothing: each takes the largest amax of the same quantizer in the
-  other experts of its layer.
+  other experts of its layer (those that saw data with the same ``pre_quant_scale``: none, or the same).
 
 Both are named in a WARNING. The algorithm option ``moe_experts_without_tokens="raise"`` (every algorithm;
 :func:`~.calibrate.calibrate` holds it in :func:`experts_without_tokens_policy` while the step runs) makes
-them an error instead. A quantizer outside experts that saw no data, or one whose whole layer of experts
-saw none, is an error either way (raised by the caller). Token counts are summed over ranks and the
+them an error instead. A quantizer outside experts that saw no data, or one that no other expert of its
+layer can stand in for (none saw data, or all were smoothed with scales of their own), is an error either
+way (raised by the caller). Token counts are summed over ranks and the
 decisions taken after the calibrators' statistics were merged, so every rank decides the same.
 """
 
@@ -68,7 +69,12 @@ class IdleExperts:
         empty = [q.name for q in activations if q.calibrator.num_batches == 0]
         self.containers = expert_containers(model) if empty else {}
         seen = [q.name for q in activations if q.calibrator.num_batches > 0]
-        self.fills = amax_donors(empty, seen, self.containers)
+        by_name = {q.name: q for q in activations}
+        self.fills = {
+            name: same
+            for name, donors in amax_donors(empty, seen, self.containers).items()
+            if (same := [d for d in donors if _same_input_scale(by_name[name], by_name[d])])
+        }
         self.empty = [name for name in empty if name not in self.fills]
 
     def check_policy(self) -> None:
@@ -154,6 +160,15 @@ def _idle_fused(
             own = any(id(q) in calibrated for q in module.children() if isinstance(q, TensorQuantizer))
             (shared if own else weights_only)[name] = idle
     return shared, weights_only
+
+
+def _same_input_scale(a: TensorQuantizer, b: TensorQuantizer) -> bool:
+    """Whether ``a`` and ``b`` see their inputs on the same scale: neither has a ``pre_quant_scale``, or both
+    the same one (an amax of inputs smoothed by another expert's scale does not fit an expert without one)."""
+    sa, sb = a.pre_quant_scale, b.pre_quant_scale
+    if sa is None or sb is None:
+        return sa is None and sb is None
+    return sa.shape == sb.shape and bool(torch.equal(sa.detach().cpu(), sb.detach().cpu()))
 
 
 @torch.no_grad()

@@ -158,3 +158,11 @@ def test_modules_that_never_ran_stay_an_error_even_inside_experts():
         mtq.quantize(model, mtq.FP8_DEFAULT_CFG, first_layer_only)
     assert "layers.1.mlp.experts.0.gate_proj.input_quantizer" in str(err.value)
     assert "layers.0." not in str(err.value)
+
+
+def test_experts_smoothed_with_their_own_scales_cannot_stand_in():
+    """W4A8 AWQ gives each routed expert a pre_quant_scale of its own; an idle expert has none, so the
+    others' amax (of their scaled inputs) does not fit it: an error naming why, not a silent fill."""
+    why = r"(?s)experts\.\d\.gate_proj\.input_quantizer.*pre_quant_scale of their own"
+    with pytest.raises(RuntimeError, match=why):
+        mtq.quantize(tiny_sequential_moe(), mtq.W4A8_AWQ_BETA_CFG, ONE_TOKEN)

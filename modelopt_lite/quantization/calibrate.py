@@ -4,7 +4,9 @@ Max calibration runs the user's ``forward_loop`` with every quantizer's fake qua
 static activation quantizers collect their absolute maximum; weight quantizers are calibrated from the
 weights themselves (independent of which tokens arrived). If the loop raises, quantizers are put back in
 their previous mode and keep their previous ``amax``. Afterwards every enabled static quantizer must hold a
-finite, positive ``amax``; otherwise :func:`check_calibrated` raises naming each one.
+finite, positive ``amax``; otherwise :func:`check_calibrated` raises naming each one. MoE experts that
+received no tokens take the amax of the other experts of their layer, with a WARNING (or raise, with the
+algorithm option ``moe_experts_without_tokens="raise"``; :mod:`.idle_experts`).
 """
 
 from __future__ import annotations
@@ -30,11 +32,13 @@ from ..distributed import (
     weight_access,
 )
 from ..logging import get_logger, get_rank
-from ..moe import coverage_report, reset_coverage
+from ..moe import expert_containers, record_amax_fills, reset_coverage
+from ..moe.sequential import split_expert_name
 from ..nn import QuantModule, SequentialQuantizer, TensorQuantizer, iter_quantizers
 from ..nn.calibrators import sync_calibrators
 from ..nn.quant_module import replaced_forward
-from .config import ALGORITHMS, algorithm_step
+from .config import ALGORITHMS, EXPERTS_WITHOUT_TOKENS, algorithm_step, experts_without_tokens
+from .idle_experts import IdleExperts, experts_without_tokens_policy, fill_from_other_experts
 
 __all__ = [
     "ForwardLoop",
@@ -71,8 +75,11 @@ def register_algorithm(name: str) -> Callable[[Callable[..., None]], Callable[..
 
 def check_algorithm(algorithm: str | Mapping[str, Any] | None) -> tuple[str | None, dict[str, Any]]:
     """``(name, options)`` of an algorithm spec; raises before anything is changed when the name is
-    unknown, not available in this release, or options come without a method."""
+    unknown, not available in this release, options come without a method, or the option
+    ``moe_experts_without_tokens`` (every algorithm's) has a value other than ``"warn"`` / ``"raise"``."""
     algorithm, options = algorithm_step(algorithm)
+    if EXPERTS_WITHOUT_TOKENS in options:
+        experts_without_tokens(options[EXPERTS_WITHOUT_TOKENS])
     if algorithm is None:
         if options:
             raise ValueError(f"algorithm options {sorted(options)} given with method None")
@@ -128,7 +135,9 @@ def calibrate(
     for algorithm, _ in steps:
         _check_placement(model, algorithm)
     for algorithm, options in steps:
-        _ALGORITHMS[algorithm](model, forward_loop, **options)
+        options = dict(options)
+        with experts_without_tokens_policy(options.pop(EXPERTS_WITHOUT_TOKENS, "warn")):
+            _ALGORITHMS[algorithm](model, forward_loop, **options)
         if is_distributed() and algorithm != "max":
             # Search algorithms ran on each rank's data: make rank 0's result everyone's (weights they
             # changed and quantizer buffers; DDP would broadcast them at wrap time, FSDP2 does not).
@@ -272,18 +281,24 @@ def _collect_activations(
 
 
 def load_activations(model: nn.Module, activations: list[TensorQuantizer]) -> None:
-    """After a calibration pass: merge the ranks' statistics, log the experts' coverage, raise naming the
-    quantizers that saw no data, and load every one's ``amax``."""
+    """After a calibration pass: merge the ranks' statistics, raise naming the quantizers that saw no data
+    (but those of MoE experts that the other experts of their layer stand in for, see
+    :mod:`.idle_experts`), and load every one's ``amax``."""
     sync_calibrators({q.name: q.calibrator for q in activations})
-    _log_expert_coverage(model)
-    empty = [q.name for q in activations if q.calibrator.num_batches == 0]
-    if empty:
+    idle = IdleExperts(model, activations)
+    if idle.empty:
+        empty = idle.empty
         raise RuntimeError(
             f"{len(empty)} enabled activation quantizer(s) received no data during calibration: "
             f"{', '.join(empty[:10])}{' ...' if len(empty) > 10 else ''}. {_why_no_data(model, empty)}"
         )
+    idle.check_policy()
     for q in activations:
-        q.load_calib_amax()
+        if q.name not in idle.fills:
+            q.load_calib_amax()
+    fill_from_other_experts(activations, idle.fills)
+    record_amax_fills(model, [q.name for q in activations], idle.fills)
+    idle.log()
 
 
 def _why_no_data(model: nn.Module, empty: list[str]) -> str:
@@ -302,23 +317,18 @@ def _why_no_data(model: nn.Module, empty: list[str]) -> str:
             f"({'; '.join(replaced[:4])}): quantize before replacing forward, or have the replacement call "
             "the module's class forward"
         )
+    containers = expert_containers(model)
+    experts = (
+        " Those inside MoE experts received no tokens, and no other expert of their layer can stand in for "
+        "them (none received data either, or the others have a pre_quant_scale of their own, e.g. after "
+        "SmoothQuant / AWQ)"
+        if any(split_expert_name(name, containers) is not None for name in empty)
+        else ""
+    )
     return (
         "Their modules never ran in forward_loop: feed data that reaches them or disable them in the config "
-        "(or a forward replaced on the instance bypassed the quantized class forward)"
+        f"(or a forward replaced on the instance bypassed the quantized class forward).{experts}"
     )
-
-
-def _log_expert_coverage(model: nn.Module) -> None:
-    report = coverage_report(model)
-    idle = {name: r["experts_without_tokens"] for name, r in report.items() if r["experts_without_tokens"]}
-    if idle:
-        logger.info(
-            "%d expert(s) in %d module(s) received no calibration tokens (their weights are calibrated from "
-            "the weights): %s",
-            sum(len(v) for v in idle.values()),
-            len(idle),
-            "; ".join(f"{k}: {v}" for k, v in list(idle.items())[:4]),
-        )
 
 
 def _last_logit_only(model: nn.Module) -> dict[str, int]:

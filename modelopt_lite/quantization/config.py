@@ -31,10 +31,13 @@ from ..nn.attribute_dict import UnsupportedFeatureError, quantizer_attributes
 
 __all__ = [
     "ALGORITHMS",
+    "EXPERTS_WITHOUT_TOKENS",
+    "EXPERTS_WITHOUT_TOKENS_CHOICES",
     "UNSUPPORTED_ALGORITHMS",
     "QuantRule",
     "QuantizeConfig",
     "UnsupportedFeatureError",
+    "experts_without_tokens",
     "plain",
     "quantizer_attributes",
 ]
@@ -58,6 +61,23 @@ ALGORITHMS = (
     "svdquant",
     *UNSUPPORTED_ALGORITHMS,
 )
+#: The option every calibration algorithm takes (``{"method": ..., "moe_experts_without_tokens": ...}``) that
+#: says what happens to MoE experts that receive no calibration tokens: ``"warn"`` (the default) gives their
+#: activation quantizers the amax of the other experts of their layer and names them in a WARNING;
+#: ``"raise"`` makes that an error.
+EXPERTS_WITHOUT_TOKENS = "moe_experts_without_tokens"
+EXPERTS_WITHOUT_TOKENS_CHOICES = ("warn", "raise")
+
+
+def experts_without_tokens(value: Any) -> str:
+    """``value`` if it is one of :data:`EXPERTS_WITHOUT_TOKENS_CHOICES`; else ``ValueError`` naming them."""
+    if not isinstance(value, str) or value not in EXPERTS_WITHOUT_TOKENS_CHOICES:
+        raise ValueError(
+            f"{EXPERTS_WITHOUT_TOKENS}={value!r} (allowed: {list(EXPERTS_WITHOUT_TOKENS_CHOICES)}: 'warn' "
+            "gives the activation quantizers of MoE experts that received no calibration tokens the amax of "
+            "the other experts of their layer, with a WARNING; 'raise' makes that an error)"
+        )
+    return value
 
 
 def plain(value: Any, str_keys: bool = False) -> Any:

@@ -20,10 +20,17 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..nn import QuantizerAttributes
-from .config import ALGORITHMS, QuantizeConfig, QuantRule, UnsupportedFeatureError, quantizer_attributes
+from .config import (
+    ALGORITHMS,
+    QuantizeConfig,
+    QuantRule,
+    UnsupportedFeatureError,
+    experts_without_tokens,
+    quantizer_attributes,
+)
 
 __all__ = [
     "AWQClipCalibConfig",
@@ -190,11 +197,19 @@ class CompressConfig(_MappingModel):
 
 class QuantizeAlgorithmConfig(_MappingModel):
     """Base of the calibration configs: ``method`` names the algorithm. Iterating yields ``method`` and the
-    options that were given, which is the ``{"method": ..., **options}`` dict :func:`mtq.calibrate` takes."""
+    options that were given, which is the ``{"method": ..., **options}`` dict :func:`mtq.calibrate` takes.
+    ``moe_experts_without_tokens`` (ours, every algorithm): ``"warn"`` (default) or ``"raise"``, what
+    calibration does with MoE experts that receive no tokens (see ``docs/moe.md``)."""
 
     method: Any = None
     moe_calib_experts_ratio: _Fraction = None
     layerwise: LayerwiseConfig | None = None
+    moe_experts_without_tokens: Literal["warn", "raise"] = "warn"
+
+    @field_validator("moe_experts_without_tokens", mode="before")
+    @classmethod
+    def _check_experts_without_tokens(cls, value: Any) -> Any:
+        return experts_without_tokens(value)
 
     def _given(self) -> dict[str, Any]:
         return {"method": self.method, **super()._given()}

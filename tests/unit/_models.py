@@ -116,6 +116,73 @@ def tiny_gpt2(seed: int = 0, attn: str = "sdpa"):
     return GPT2LMHeadModel(cfg).eval()
 
 
+class _Expert(torch.nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = torch.nn.Linear(hidden, inter, bias=False)
+        self.up_proj = torch.nn.Linear(hidden, inter, bias=False)
+        self.down_proj = torch.nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _SequentialMoe(torch.nn.Module):
+    """Top-k routing over experts that are separate modules; ``routed`` keeps the last call's experts."""
+
+    def __init__(self, hidden: int, inter: int, experts: int, top_k: int):
+        super().__init__()
+        self.gate = torch.nn.Linear(hidden, experts, bias=False)
+        self.experts = torch.nn.ModuleList([_Expert(hidden, inter) for _ in range(experts)])
+        self.top_k = top_k
+        self.routed: set[int] = set()
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        weights, idx = self.gate(flat).softmax(-1).topk(self.top_k, dim=-1)
+        self.routed = set(idx.reshape(-1).tolist())
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            rows, slot = torch.where(idx == e)
+            if rows.numel():
+                out.index_add_(0, rows, expert(flat[rows]) * weights[rows, slot, None])
+        return out.reshape(x.shape)
+
+
+class _SequentialMoeBlock(torch.nn.Module):
+    def __init__(self, hidden: int, inter: int, experts: int, top_k: int):
+        super().__init__()
+        self.proj = torch.nn.Linear(hidden, hidden)
+        self.mlp = _SequentialMoe(hidden, inter, experts, top_k)
+
+    def forward(self, x):
+        x = x + self.proj(x)
+        return x + self.mlp(x)
+
+
+class TinySequentialMoe(torch.nn.Module):
+    """MoE layers whose experts are an ``nn.ModuleList`` of MLPs (as in remote-code MoE models), each
+    expert's linear layers with quantizers of their own; a dense ``proj`` in each layer."""
+
+    def __init__(self, layers: int = 2, hidden: int = 64, experts: int = 4, top_k: int = 2):
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, hidden)
+        self.layers = torch.nn.ModuleList(
+            [_SequentialMoeBlock(hidden, hidden // 2, experts, top_k) for _ in range(layers)]
+        )
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def tiny_sequential_moe(seed: int = 0) -> TinySequentialMoe:
+    torch.manual_seed(seed)
+    return TinySequentialMoe().eval()
+
+
 BUILDERS = {"llama": tiny_llama, "qwen3": tiny_qwen3, "gpt2": tiny_gpt2}
 
 

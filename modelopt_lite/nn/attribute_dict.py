@@ -15,9 +15,9 @@ from dataclasses import fields
 from typing import Any
 
 from .errors import UnsupportedFeatureError
-from .quantizer_attributes import QuantizerAttributes
+from .quantizer_attributes import QuantizerAttributes, calibrator_constructor
 
-__all__ = ["ALLOWED_ATTRIBUTE_KEYS", "UnsupportedFeatureError", "quantizer_attributes"]
+__all__ = ["ALLOWED_ATTRIBUTE_KEYS", "UnsupportedFeatureError", "attribute_updates", "quantizer_attributes"]
 
 
 _OURS = {f.name for f in fields(QuantizerAttributes)} - {"enable"}
@@ -27,8 +27,6 @@ _INERT = {"effective_bits": (int, float, type(None)), "trt_high_precision_dtype"
 _DEFAULT_ONLY: dict[str, tuple[Any, str]] = {
     "backend": (None, "custom quantization backends are not implemented; the fake quant is built in"),
     "backend_extra_args": (None, "custom quantization backends are not implemented"),
-    "use_constant_amax": (False, "a constant amax is not implemented; set quantizer.amax after quantize"),
-    "constant_amax": (None, "a constant amax is not implemented; set quantizer.amax after quantize"),
 }
 ALLOWED_ATTRIBUTE_KEYS = sorted(
     _OURS | set(_INERT) | set(_DEFAULT_ONLY) | {"type", "pass_through_bwd", "enable"}
@@ -52,6 +50,27 @@ def quantizer_attributes(
 ) -> QuantizerAttributes:
     """Translate one attribute dict (reference or our names) into validated :class:`QuantizerAttributes`.
     ``explicit_enable``: the rule itself sets ``enable``, so a different ``cfg["enable"]`` is a conflict."""
+    out = attribute_updates(cfg, where)
+    if "enable" in out:
+        if out["enable"] != enable and explicit_enable:
+            raise ValueError(
+                f"{where}: the rule says enable={enable} but its cfg says enable={out['enable']}"
+            )
+        enable = out.pop("enable")
+    if not isinstance(enable, bool):
+        raise TypeError(f"{where}: enable={enable!r} must be True or False")
+    try:
+        attrs = QuantizerAttributes(**out, enable=enable)
+        attrs.spec()
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{where}: {err}") from None
+    return attrs
+
+
+def attribute_updates(cfg: Mapping[str, Any], where: str = "cfg") -> dict[str, Any]:
+    """The attributes ``cfg`` gives (reference or our names), in our names, checked one by one but not yet
+    together: what :meth:`TensorQuantizer.set_from_attribute_config` changes (``enable`` included when
+    given)."""
     if not isinstance(cfg, Mapping):
         raise TypeError(f"{where}: expected a mapping of quantizer attributes, got {type(cfg).__name__}")
     unknown = sorted(set(cfg) - set(ALLOWED_ATTRIBUTE_KEYS))
@@ -59,7 +78,13 @@ def quantizer_attributes(
         raise ValueError(
             f"{where}: unknown quantizer attribute(s) {unknown} (allowed: {ALLOWED_ATTRIBUTE_KEYS})"
         )
-    out: dict[str, Any] = {k: copy.deepcopy(v) for k, v in cfg.items() if k in _OURS}
+    out: dict[str, Any] = {k: copy.deepcopy(v) for k, v in cfg.items() if k in _OURS and k != "calibrator"}
+    if "calibrator" in cfg:
+        try:
+            constructor = calibrator_constructor(cfg["calibrator"])
+        except TypeError as err:
+            raise TypeError(f"{where}: {err}") from None
+        out["calibrator"] = cfg["calibrator"] if constructor is None else constructor
     for key, types in _INERT.items():
         if key in cfg and not isinstance(cfg[key], types):
             raise TypeError(f"{where}: {key}={cfg[key]!r} has the wrong type")
@@ -91,16 +116,5 @@ def quantizer_attributes(
             raise ValueError(f"{where}: give either pass_through_bwd or backward, not both")
         out["backward"] = "pass_through" if cfg["pass_through_bwd"] else "clipped"
     if "enable" in cfg:
-        if cfg["enable"] != enable and explicit_enable:
-            raise ValueError(
-                f"{where}: the rule says enable={enable} but its cfg says enable={cfg['enable']}"
-            )
-        enable = cfg["enable"]
-    if not isinstance(enable, bool):
-        raise TypeError(f"{where}: enable={enable!r} must be True or False")
-    try:
-        attrs = QuantizerAttributes(**out, enable=enable)
-        attrs.spec()
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"{where}: {err}") from None
-    return attrs
+        out["enable"] = cfg["enable"]
+    return out

@@ -27,6 +27,7 @@ __all__ = [
     "Calibrator",
     "HistogramCalibrator",
     "MaxCalibrator",
+    "ShapeChangedError",
     "bias_settings",
     "make_calibrator",
     "sync_calibrators",
@@ -49,78 +50,125 @@ def _spec_of(spec_or_bits: FormatSpec | int | tuple[int, int], axis: Any, unsign
     return resolve_format(spec_or_bits, axis, None, unsigned, False)
 
 
+def _owner_and_axis(spec: Any, axis: Any, owner: str | None) -> tuple[str, Any]:
+    """The second positional argument is the reference's ``axis``; after a :class:`FormatSpec` (which holds
+    its axis) a string there is our quantizer name (``MaxCalibrator(spec, "layers.0.input_quantizer")``)."""
+    if isinstance(spec, FormatSpec) and isinstance(axis, str):
+        if owner is not None:
+            raise TypeError("give the quantizer name once: as the second argument or as owner=")
+        return axis, None
+    if isinstance(spec, FormatSpec) and axis is not None:
+        raise TypeError(
+            f"a FormatSpec holds its own axis ({spec.granularity}); axis={axis!r} is for the reference's "
+            "form Calibrator(num_bits, axis, unsigned)"
+        )
+    return owner if owner is not None else "TensorQuantizer", axis
+
+
 class Calibrator:
     """Base class: ``collect`` batches, then ``compute_amax``; ``reset`` to start over.
 
-    Constructed with a :class:`FormatSpec` (``MaxCalibrator(spec, owner)``) or, as in the reference library,
-    with ``num_bits, axis, unsigned`` (``MaxCalibrator(8, axis=0)``)."""
+    Constructed as in the reference library, ``MaxCalibrator(num_bits, axis, unsigned)`` (e.g.
+    ``MaxCalibrator(8, None, False)``, ``MaxCalibrator(8, 0)``), or with a :class:`FormatSpec` and the name of
+    the quantizer it serves (``MaxCalibrator(spec, "layers.0.q_proj.input_quantizer")``). Subclass it (or a
+    calibrator below) for a calibrator of your own and give it in a quantizer's ``calibrator`` attribute as
+    ``(MyCalibrator, args)`` or ``(MyCalibrator, args, kwargs)``."""
 
     def __init__(
         self,
-        spec: FormatSpec | int | tuple[int, int] = 8,
-        owner: str = "TensorQuantizer",
-        *,
-        axis: int | tuple[int, ...] | None = None,
+        num_bits: FormatSpec | int | tuple[int, int] = 8,
+        axis: int | tuple[int, ...] | str | None = None,
         unsigned: bool = False,
+        *,
+        owner: str | None = None,
     ):
-        if owner is None or (not isinstance(spec, FormatSpec) and isinstance(owner, (int, tuple))):
-            owner, axis = "TensorQuantizer", owner  # the reference's positional (num_bits, axis)
-        self.spec = _spec_of(spec, axis, unsigned)
+        owner, axis = _owner_and_axis(num_bits, axis, owner)
+        if not isinstance(unsigned, bool):
+            raise TypeError(f"unsigned={unsigned!r} must be True or False")
+        self.spec = _spec_of(num_bits, axis, unsigned)
         self.owner = owner
         self.num_batches = 0
+
+    # The reference's attribute names of the same facts.
+    @property
+    def _num_bits(self) -> int | tuple[int, int]:
+        return self.spec.num_bits
+
+    @property
+    def _axis(self) -> int | tuple[int, ...] | None:
+        return self.spec.axis
+
+    @property
+    def _unsigned(self) -> bool:
+        return self.spec.unsigned
 
     def collect(self, x: torch.Tensor) -> None:
         raise NotImplementedError
 
-    def compute_amax(self) -> torch.Tensor | None:
+    def compute_amax(self, *args: Any, **kwargs: Any) -> torch.Tensor | None:
         raise NotImplementedError
 
     def reset(self) -> None:
         self.num_batches = 0
 
 
+class ShapeChangedError(RuntimeError, ValueError):
+    """A calibration batch whose amax has another shape than the earlier ones' (a ``RuntimeError`` as in the
+    reference, and a ``ValueError`` as a bad input)."""
+
+
 class MaxCalibrator(Calibrator):
-    """Running max of ``|x|`` with the amax shape the spec stores."""
+    """Running max of ``|x|`` with the amax shape the spec stores. ``track_amax=True`` also keeps every
+    batch's amax (``amaxs``: a list of numpy arrays, as in the reference)."""
 
     def __init__(
         self,
-        spec: FormatSpec | int | tuple[int, int] = 8,
-        owner: Any = "TensorQuantizer",
-        *,
-        axis: int | tuple[int, ...] | None = None,
+        num_bits: FormatSpec | int | tuple[int, int] = 8,
+        axis: int | tuple[int, ...] | str | None = None,
         unsigned: bool = False,
         track_amax: bool = False,
+        *,
+        owner: str | None = None,
     ):
-        super().__init__(spec, owner, axis=axis, unsigned=unsigned)
-        if track_amax:
-            raise UnsupportedFeatureError(
-                "MaxCalibrator(track_amax=True) (a list of every batch's amax) is not implemented; read "
-                "compute_amax() after each batch instead"
-            )
-        self._amax: torch.Tensor | None = None
+        super().__init__(num_bits, axis, unsigned, owner=owner)
+        if not isinstance(track_amax, bool):
+            raise TypeError(f"track_amax={track_amax!r} must be True or False")
+        self._track_amax = track_amax
+        self._amaxs: list[Any] = []
+        self._calib_amax: torch.Tensor | None = None
+
+    @property
+    def amaxs(self) -> list[Any]:
+        """Each collected batch's amax as a numpy array (``track_amax=True``)."""
+        if not self._track_amax:
+            raise AttributeError(f"{self.owner}: amaxs are kept only with MaxCalibrator(track_amax=True)")
+        return self._amaxs
 
     def collect(self, x: torch.Tensor) -> None:
         x = x.detach()
         amax = reduce_amax(x, self.spec)
         _check_finite(amax, self.owner)
-        if self._amax is None:
-            self._amax = amax.clone()
-        elif self._amax.shape != amax.shape:
-            raise ValueError(
+        if self._calib_amax is None:
+            self._calib_amax = amax.clone()
+        elif self._calib_amax.shape != amax.shape:
+            raise ShapeChangedError(
                 f"{self.owner}: amax shape changed between calibration batches "
-                f"({tuple(self._amax.shape)} -> {tuple(amax.shape)}); a {self.spec.granularity} "
+                f"({tuple(self._calib_amax.shape)} -> {tuple(amax.shape)}); a {self.spec.granularity} "
                 "quantizer needs inputs of a consistent shape along its channel / block axes"
             )
         else:
-            torch.maximum(self._amax, amax, out=self._amax)
+            torch.maximum(self._calib_amax, amax, out=self._calib_amax)
+        if self._track_amax:
+            self._amaxs.append(amax.float().cpu().numpy())
         self.num_batches += 1
 
     def compute_amax(self) -> torch.Tensor | None:
-        return None if self._amax is None else self._amax.clone()
+        return None if self._calib_amax is None else self._calib_amax.clone()
 
     def reset(self) -> None:
         super().reset()
-        self._amax = None
+        self._calib_amax = None
+        self._amaxs = []
 
 
 _HISTOGRAM_METHODS = ("percentile", "mse", "entropy")
@@ -129,40 +177,54 @@ _HISTOGRAM_METHODS = ("percentile", "mse", "entropy")
 class HistogramCalibrator(Calibrator):
     """Histogram of ``|x|`` (per-tensor INT / FP8 specs) with a percentile, MSE or entropy amax choice.
 
-    ``method`` is the default of :meth:`compute_amax`, which also takes one as the reference's does
-    (``compute_amax("entropy", stride=1, start_bin=128)``)."""
+    The reference's arguments ``(num_bits, axis, unsigned, num_bins, grow_method, skip_zeros, torch_hist)``:
+    ``skip_zeros=True`` leaves exact zeros out of the histogram; ``grow_method`` (deprecated there and
+    unused) and ``torch_hist`` (the histogram is always computed with torch here) are accepted and change
+    nothing. Ours, keyword-only: ``method`` is the default of :meth:`compute_amax`, which also takes one as
+    the reference's does (``compute_amax("entropy", stride=1, start_bin=128)``), and ``percentile``."""
 
     def __init__(
         self,
-        spec: FormatSpec | int | tuple[int, int] = 8,
-        owner: Any = "TensorQuantizer",
+        num_bits: FormatSpec | int | tuple[int, int] = 8,
+        axis: int | tuple[int, ...] | str | None = None,
+        unsigned: bool = False,
+        num_bins: int = 2048,
+        grow_method: str | None = None,
+        skip_zeros: bool = False,
+        torch_hist: bool = True,
+        *,
         method: Literal["percentile", "mse", "entropy"] = "percentile",
         percentile: float = 99.99,
-        num_bins: int = 2048,
-        *,
-        axis: int | tuple[int, ...] | None = None,
-        unsigned: bool = False,
+        owner: str | None = None,
     ):
-        super().__init__(spec, owner, axis=axis, unsigned=unsigned)
+        super().__init__(num_bits, axis, unsigned, owner=owner)
         spec, owner = self.spec, self.owner
         if spec.kind not in ("int", "fp8") or spec.axis is not None or spec.block_axes:
-            raise ValueError(
+            raise UnsupportedFeatureError(
                 f"{owner}: calibrator '{method}' supports per-tensor INT / FP8 quantizers only, "
                 f"not {spec.name} {spec.granularity}; use calibrator='max'"
             )
         self._check_method(method)
         self._check_percentile(percentile)
-        if num_bins < 16:
-            raise ValueError(f"{owner}: num_bins={num_bins} must be at least 16")
+        if isinstance(num_bins, bool) or not isinstance(num_bins, int) or num_bins < 2:
+            raise ValueError(f"{owner}: num_bins={num_bins!r} must be an integer of at least 2")
+        if grow_method is not None and not isinstance(grow_method, str):
+            raise TypeError(f"{owner}: grow_method={grow_method!r} must be a string or None (it is unused)")
+        for flag, value in (("skip_zeros", skip_zeros), ("torch_hist", torch_hist)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{owner}: {flag}={value!r} must be True or False")
         self.method = method
         self.percentile = percentile
         self.num_bins = num_bins
+        self.skip_zeros = skip_zeros
         self._hist: torch.Tensor | None = None  # float64 counts over [0, _range]
         self._range = 0.0
 
     def collect(self, x: torch.Tensor) -> None:
         mag = x.detach().abs().float().flatten()
         _check_finite(mag, self.owner)
+        if self.skip_zeros:
+            mag = mag[mag != 0]
         batch_max = float(mag.max()) if mag.numel() else 0.0
         if self._hist is None:
             self._range = batch_max if batch_max > 0 else 1.0
@@ -360,12 +422,18 @@ class BiasCalibrator:
 
 
 def make_calibrator(name: str, spec: FormatSpec, owner: str, **options) -> Calibrator:
-    """``"max"``, ``"percentile"``, ``"mse"`` or ``"entropy"``."""
+    """``"max"``, ``"percentile"``, ``"mse"`` or ``"entropy"`` (``"histogram"``, the reference's name: a
+    histogram whose amax method :meth:`TensorQuantizer.load_calib_amax` names, percentile by default)."""
     if name == "max":
-        return MaxCalibrator(spec, owner)
+        return MaxCalibrator(spec, owner=owner)
     if name in _HISTOGRAM_METHODS:
-        return HistogramCalibrator(spec, owner, method=name, **options)
-    raise ValueError(f"{owner}: calibrator={name!r} (allowed: {('max', *_HISTOGRAM_METHODS)})")
+        return HistogramCalibrator(spec, owner=owner, method=name, **options)
+    if name == "histogram":
+        return HistogramCalibrator(spec, owner=owner, **options)
+    raise ValueError(
+        f"{owner}: calibrator={name!r} (allowed: {('max', 'histogram', *_HISTOGRAM_METHODS)}, or a "
+        "calibrator class with its arguments: (MyCalibrator, args, kwargs))"
+    )
 
 
 def sync_calibrators(calibrators: dict[str, Calibrator]) -> None:
@@ -381,9 +449,9 @@ def sync_calibrators(calibrators: dict[str, Calibrator]) -> None:
             f"is not merged across ranks (e.g. {histogram[0]}); calibrate in a single process or use max "
             "calibration"
         )
-    reduced = all_reduce_max({n: c._amax for n, c in calibrators.items()})
+    reduced = all_reduce_max({n: c._calib_amax for n, c in calibrators.items()})
     counts = torch.tensor([c.num_batches for c in calibrators.values()], dtype=torch.int64)
     torch.distributed.all_reduce(counts)
     for (name, calibrator), count in zip(calibrators.items(), counts.tolist(), strict=True):
-        calibrator._amax = reduced[name]
+        calibrator._calib_amax = reduced[name]
         calibrator.num_batches = count

@@ -54,7 +54,9 @@ class QuantLinear(QuantModule):
     Usually made by :func:`mtq.quantize`, which turns each ``nn.Linear`` of a model into one. It can also be
     built directly, as in the reference library: ``QuantLinear(in_features, out_features, bias=True,
     quant_desc_input=..., quant_desc_weight=...)`` (the descriptors are attribute mappings such as a
-    ``QuantizerAttributeConfig``) makes an ``nn.Linear`` with the same arguments and converts it."""
+    ``QuantizerAttributeConfig``) makes an ``nn.Linear`` with the same arguments and converts it. As in the
+    reference, the weight is quantized per output channel (INT8, ``axis=0``) unless ``quant_desc_weight``
+    says otherwise, and the input per tensor (INT8)."""
 
     weight: nn.Parameter
     bias: nn.Parameter | None
@@ -64,6 +66,8 @@ class QuantLinear(QuantModule):
         if "original_cls" in cls.__dict__:  # the class a conversion made (copy / unpickling land here)
             return super().__new__(cls)
         module = QUANT_MODULES.convert(cls._builds(*args, **kwargs))
+        if quant_desc_weight is None:
+            quant_desc_weight = {"num_bits": 8, "axis": 0}  # the reference's default weight descriptor
         for slot, desc in (("input_quantizer", quant_desc_input), ("weight_quantizer", quant_desc_weight)):
             if desc is not None:
                 getattr(module, slot).set_attributes(

@@ -11,6 +11,19 @@ Every change is validated at once; a bad value raises naming the attribute and t
 LSQ gradient and zeroes the input's gradient where it was clipped (:mod:`modelopt_lite.formats.learnable`).
 It is still calibrated first, saved and restored as the amax buffer is, and exported like any amax.
 
+Two attributes pin the amax instead of calibrating it (the quantizer then needs no calibration data and
+calibration leaves it as it is): ``constant_amax`` (a finite number > 0) holds that value in ``amax``, so
+the fake quantization and the exported scale use it (an NVFP4 activation quantizer with ``constant_amax``
+2688 exports ``input_scale`` 1.0); ``use_constant_amax=True`` holds the FP8 E4M3 maximum, 448 (KV caches
+whose engine runs FP8 attention math: an FP8 KV scale of 1.0). Both need a format with one amax per
+tensor (INT / FP8 per tensor, NVFP4's global amax) and exclude each other.
+
+``calibrator`` is ``"max"``, ``"percentile"``, ``"mse"``, ``"entropy"``, ``"histogram"`` (the reference's
+name; percentile unless :meth:`TensorQuantizer.load_calib_amax` names another method) or a calibrator class
+of your own with its constructor arguments: ``MyCalibrator``, ``(MyCalibrator, args)`` or
+``(MyCalibrator, args, kwargs)``; the class must subclass :class:`~.calibrators.Calibrator` (or one of the
+calibrators) and is constructed as ``MyCalibrator(*args, **kwargs)``.
+
 Two attributes of the reference library transform the input around the quantization:
 
 * ``rotate`` (``True`` or ``{"enable", "mode", "rotate_fp32", "block_size"}``): the input is multiplied by a
@@ -28,14 +41,57 @@ Two attributes of the reference library transform the input around the quantizat
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ..formats import FormatSpec, learnable_amax_error, resolve_format
-from .calibrators import bias_settings
+from .calibrators import Calibrator, bias_settings
 
-__all__ = ["QuantizerAttributes"]
+__all__ = ["CalibratorConstructor", "QuantizerAttributes", "calibrator_constructor"]
+
+#: A custom calibrator: its class, positional and keyword arguments.
+CalibratorConstructor = tuple[type[Calibrator], tuple[Any, ...], dict[str, Any]]
+
+#: What ``use_constant_amax=True`` pins the amax to: the FP8 E4M3 maximum.
+E4M3_MAX = 448.0
+
+
+def calibrator_constructor(value: Any) -> CalibratorConstructor | None:
+    """``(cls, args, kwargs)`` of a custom ``calibrator`` value (a class, or a tuple ``(cls,)``, ``(cls,
+    args)``, ``(cls, args, kwargs)``); ``None`` for a calibrator name. Raises ``TypeError`` naming what is
+    not a calibrator class or not an argument tuple / dict."""
+    if isinstance(value, str):
+        return None
+    parts = tuple(value) if isinstance(value, (tuple, list)) else (value,)
+    if not 1 <= len(parts) <= 3:
+        raise TypeError(
+            f"calibrator={value!r}: a calibrator name, a class, or (class, args) / (class, args, kwargs)"
+        )
+    cls, args, kwargs = (*parts, (), {})[:3] if len(parts) == 1 else (*parts, {})[:3]
+    if not (isinstance(cls, type) and issubclass(cls, Calibrator)):
+        what = getattr(cls, "__qualname__", None) or repr(cls)
+        raise TypeError(
+            f"calibrator={what} is not a calibrator class: subclass "
+            "modelopt_lite.quantization.calib.MaxCalibrator (or Calibrator / HistogramCalibrator) and give "
+            f"(class, args, kwargs), or one of the names 'max', 'histogram', 'percentile', 'mse', 'entropy'"
+        )
+    if not isinstance(args, (tuple, list)):
+        raise TypeError(f"calibrator {cls.__qualname__}: its arguments must be a tuple, got {args!r}")
+    if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
+        raise TypeError(
+            f"calibrator {cls.__qualname__}: its keyword arguments must be a dict, got {kwargs!r}"
+        )
+    return cls, tuple(args), dict(kwargs)
+
+
+def _pinnable(spec: FormatSpec) -> bool:
+    """Whether ``spec`` keeps one amax per tensor (what ``constant_amax`` / ``use_constant_amax`` pin)."""
+    if spec.kind == "nvfp4":
+        return spec.dynamic  # the global amax next to block scales taken from each block
+    return spec.kind in ("int", "fp8") and not spec.dynamic and spec.axis is None and not spec.block_axes
+
 
 _ROTATE_KEYS = {"enable": False, "mode": "rotate", "rotate_fp32": False, "block_size": None}
 
@@ -52,12 +108,48 @@ class QuantizerAttributes:
     enable: bool = True
     fake_quant: bool = True
     backward: Literal["pass_through", "clipped"] = "pass_through"
-    calibrator: str = "max"
+    calibrator: str | CalibratorConstructor = "max"
     calibrator_options: dict[str, Any] = field(default_factory=dict)
     learn_amax: bool = False
     type: Literal["static", "dynamic"] = "static"  # dynamic: amax taken from each input (axis / blocks)
     bias: dict[Any, Any] | None = None  # affine quantization (see the module docstring)
     rotate: bool | dict[str, Any] = False  # Hadamard rotation of the input (see the module docstring)
+    use_constant_amax: bool = False  # amax pinned to 448 (see the module docstring)
+    constant_amax: float | None = None  # amax pinned to this value (see the module docstring)
+
+    @property
+    def pinned_amax(self) -> float | None:
+        """The amax ``constant_amax`` / ``use_constant_amax`` pin, else ``None``."""
+        return E4M3_MAX if self.use_constant_amax is True else self.constant_amax
+
+    def _check_pinned_amax(self, spec: FormatSpec) -> None:
+        if not isinstance(self.use_constant_amax, bool):
+            raise ValueError(f"use_constant_amax={self.use_constant_amax!r} must be True or False")
+        value = self.constant_amax
+        if value is not None:
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or value <= 0
+            ):
+                raise ValueError(
+                    f"constant_amax must be a positive value (a finite number > 0), got {value!r}"
+                )
+            if self.use_constant_amax:
+                raise ValueError(
+                    "use_constant_amax and constant_amax are mutually exclusive (448 or the given value); "
+                    "set only one"
+                )
+        if self.pinned_amax is not None and self.enable:
+            which = "constant_amax" if value is not None else "use_constant_amax"
+            if not _pinnable(spec):
+                raise ValueError(
+                    f"{which}: {spec.name} {spec.granularity} has no single per-tensor amax to pin "
+                    "(allowed: INT / FP8 per tensor, NVFP4 with dynamic blocks)"
+                )
+            if self.learn_amax:
+                raise ValueError(f"{which} and learn_amax=True: a pinned amax is not learned; set only one")
 
     def rotation(self) -> dict[str, Any] | None:
         """The rotation settings (``enable``, ``mode``, ``rotate_fp32``, ``block_size``) when ``rotate`` is
@@ -84,6 +176,8 @@ class QuantizerAttributes:
             self.num_bits, self.axis, self.block_sizes, self.unsigned, self.narrow_range, self.type
         )
         self.rotation()
+        calibrator_constructor(self.calibrator)
+        self._check_pinned_amax(spec)
         if self.bias is not None:
             bias_settings(self.bias)
         if self.learn_amax is not False:

@@ -1,6 +1,11 @@
 """``TensorQuantizer``: the module that fake-quantizes one tensor (a weight, an input, a KV projection).
 
 Its attributes (what they mean, how they are validated): :mod:`.quantizer_attributes`.
+
+A static quantizer without an amax: one built by hand (``TensorQuantizer(...)``, ``QuantLinear(16, 8)``) and
+not calibrated quantizes each input with that input's own amax (per tensor, channel or block), as the
+reference library does. The quantizers :func:`mtq.quantize` inserts are meant to be calibrated
+(``calibration_expected``): there a missing amax raises, naming the quantizer.
 """
 
 from __future__ import annotations
@@ -17,20 +22,45 @@ from ..formats import (
     fake_quant,
     fake_quant_learnable,
     hadamard_transform,
+    reduce_amax,
 )
 from ..formats.functional import takes_out
+from ..logging import get_logger
 from . import shared_outputs
 from .calibrators import BiasCalibrator, Calibrator, bias_settings, make_calibrator
-from .quantizer_attributes import QuantizerAttributes
+from .quantizer_attributes import QuantizerAttributes, calibrator_constructor
 from .quantizer_buffers import QuantizerBuffers
+from .quantizer_compat import ReferenceQuantizerMethods
 
 __all__ = ["QuantizerAttributes", "TensorQuantizer"]
 
 _BACKWARDS = ("pass_through", "clipped")
+logger = get_logger(__name__)
 
 
-class TensorQuantizer(QuantizerBuffers):
-    """Fake-quantize a tensor in one format; calibrate its amax; keep it in ``state_dict``."""
+def _build_calibrator(attrs: QuantizerAttributes, spec: FormatSpec, owner: str) -> Calibrator:
+    """The calibrator ``attrs.calibrator`` names, or the custom one it gives as ``(cls, args, kwargs)``."""
+    constructor = calibrator_constructor(attrs.calibrator)
+    if constructor is None:
+        return make_calibrator(attrs.calibrator, spec, owner, **attrs.calibrator_options)
+    cls, args, kwargs = constructor
+    if attrs.calibrator_options:
+        raise ValueError(
+            f"calibrator {cls.__qualname__}: give its arguments in the calibrator tuple (cls, args, kwargs), "
+            "not in calibrator_options"
+        )
+    calibrator = cls(*args, **kwargs)
+    if getattr(calibrator, "owner", "TensorQuantizer") == "TensorQuantizer":
+        calibrator.owner = owner
+    return calibrator
+
+
+class TensorQuantizer(ReferenceQuantizerMethods, QuantizerBuffers):
+    """Fake-quantize a tensor in one format; calibrate its amax; keep it in ``state_dict``.
+
+    ``calibration_expected``: ``False`` for a quantizer built by hand, which without an amax quantizes each
+    input with its own amax (the reference's behaviour); :func:`mtq.quantize` sets it on the quantizers it
+    inserts, which then raise until calibrated (or given an amax)."""
 
     #: Hand the fake quant this quantizer computed for an input to the next quantizer that gets the very same
     #: tensor with the same format and amax (q / k / v, gate / up projections; see :mod:`.shared_outputs`).
@@ -51,6 +81,7 @@ class TensorQuantizer(QuantizerBuffers):
         ``TensorQuantizer(QuantizerAttributeConfig(...), if_quant, if_calib, amax)``: an attribute mapping in
         the reference's vocabulary, whether fake quantization and calibration start on, and an amax."""
         super().__init__()
+        self.calibration_expected = False
         if isinstance(quant_attribute_cfg, str):
             name, quant_attribute_cfg = quant_attribute_cfg, None
         self._name = name
@@ -98,11 +129,15 @@ class TensorQuantizer(QuantizerBuffers):
                 raise ValueError(f"{self.name}: {flag}={getattr(new, flag)!r} must be True or False")
         try:
             spec = new.spec()
-            calibrator = make_calibrator(new.calibrator, spec, self.name, **new.calibrator_options)
+            calibrator = _build_calibrator(new, spec, self.name)
         except (ValueError, TypeError) as err:
             raise ValueError(f"{self.name}: {err}") from None
         if spec != self._spec:
             self._store_amax(None)  # an amax of another format / granularity means nothing here
+        pinned = new.pinned_amax
+        if pinned is not None and (pinned != self._attrs.pinned_amax or self._amax is None):
+            device = next((b.device for b in self.buffers()), None)
+            self._store_amax(torch.tensor(float(pinned), dtype=torch.float32, device=device))
         learn_changed = new.learn_amax != self._attrs.learn_amax
         if new.bias != self._attrs.bias:
             self._bias_value, self._bias_calibrator = None, None
@@ -219,14 +254,24 @@ class TensorQuantizer(QuantizerBuffers):
             raise RuntimeError(f"{self.name}: no data reached this quantizer's bias calibration")
         self.bias_value = bias
 
-    def load_calib_amax(self) -> None:
-        """Move the calibrator's result into the ``amax`` buffer (no-op for formats without amax), and a
-        static bias into ``bias_value``."""
+    def load_calib_amax(self, *args: Any, strict: bool = True, **kwargs: Any) -> None:
+        """Move the calibrator's result into the ``amax`` buffer (no-op for formats without amax and for a
+        pinned amax: ``constant_amax`` / ``use_constant_amax``), and a static bias into ``bias_value``.
+        ``args`` / ``kwargs`` go to the calibrator's ``compute_amax`` (e.g. ``load_calib_amax("entropy")``
+        with a histogram calibrator); ``strict=False`` leaves the amax unset, with a WARNING, when no data
+        arrived (instead of raising)."""
+        if self._attrs.pinned_amax is not None:
+            return
         self.load_calib_bias()
         if not self._spec.needs_amax:
             return
-        amax = self._calibrator.compute_amax()
+        amax = self._calibrator.compute_amax(*args, **kwargs)
         if amax is None:
+            if not strict:
+                logger.warning(
+                    "%s: no data reached this quantizer during calibration; amax left unset", self.name
+                )
+                return
             raise RuntimeError(
                 f"{self.name}: no data reached this quantizer during calibration; "
                 "run a forward pass over calibration data or disable the quantizer"
@@ -238,7 +283,7 @@ class TensorQuantizer(QuantizerBuffers):
     def calibrate(self, x: torch.Tensor) -> TensorQuantizer:
         """Set ``amax`` from ``x`` alone (e.g. a weight): reset, collect ``x``, load the result."""
         self.reset_calibration()
-        if self._spec.needs_amax:
+        if self._spec.needs_amax and self._attrs.pinned_amax is None:
             self._collect(self._transform(x))
             self.load_calib_amax()
         return self
@@ -264,7 +309,10 @@ class TensorQuantizer(QuantizerBuffers):
             self._bias_calibrator.collect(x)
             x = x - self._bias_calibrator.compute_bias()
         if self._spec.needs_amax:
+            counted = self._calibrator.num_batches
             self._calibrator.collect(x)
+            if self._calibrator.num_batches == counted:  # a custom calibrator that does not count
+                self._calibrator.num_batches += 1
 
     def _bias(self, x: torch.Tensor) -> torch.Tensor | None:
         """The bias subtracted before the fake quantization (``None``: none, or dynamic block scales)."""
@@ -300,33 +348,48 @@ class TensorQuantizer(QuantizerBuffers):
                 f"{self.name}: fake_quant=False (real quantized compute) is not supported in forward; "
                 "real quantized tensors are produced by export"
             )
-        if self._spec.needs_amax and self._amax is None:
-            raise RuntimeError(
-                f"{self.name}: {self._spec.name} {self._spec.granularity} has no amax; calibrate it "
-                "first (enable_calib, forward over data, load_calib_amax) or set .amax"
-            )
+        amax = self._amax
+        if self._spec.needs_amax and amax is None:
+            amax = self._amax_of_input(x)
+        elif amax is not None and amax.device != x.device and not hasattr(amax, "placements"):
+            amax = amax.to(x.device)  # (a pinned amax made before the module moved)
         bias = self._bias(x)
         x = x if bias is None else x - bias
         try:
             if self._attrs.learn_amax:
-                out = fake_quant_learnable(x, self._spec, self._amax)
+                out = fake_quant_learnable(x, self._spec, amax)
             else:
                 clip = self._attrs.backward == "clipped"
                 share = bias is None and self.share_outputs and shared_outputs.shareable(x)
-                out = (
-                    shared_outputs.lookup(x, self._spec, clip, self._amax, self._global_amax)
-                    if share
-                    else None
-                )
+                out = shared_outputs.lookup(x, self._spec, clip, amax, self._global_amax) if share else None
                 if out is None:
-                    into = bias is None and takes_out(x, self._spec, self._amax)
+                    into = bias is None and takes_out(x, self._spec, amax)
                     buf = self.output_buffer(x) if into else None
-                    out = fake_quant(x, self._spec, self._amax, clip, self._global_amax, buf)
+                    out = fake_quant(x, self._spec, amax, clip, self._global_amax, buf)
                     if share:
-                        shared_outputs.store(x, self._spec, clip, self._amax, self._global_amax, out)
+                        shared_outputs.store(x, self._spec, clip, amax, self._global_amax, out)
         except ValueError as err:
             raise ValueError(f"{self.name}: {err}") from None
         return out if bias is None else out + bias
+
+    def _amax_of_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The amax of a static quantizer that has none: a pinned one, or (built by hand, never calibrated)
+        ``x``'s own, reduced as calibration would reduce it. Raises where calibration was expected."""
+        pinned = self._attrs.pinned_amax
+        if pinned is not None:  # (its buffer was reset)
+            return torch.tensor(float(pinned), dtype=torch.float32, device=x.device)
+        if self.calibration_expected or self._attrs.learn_amax:
+            raise RuntimeError(
+                f"{self.name}: {self._spec.name} {self._spec.granularity} has no amax; calibrate it "
+                "first (enable_calib, forward over data, load_calib_amax) or set .amax"
+            )
+        if not self.__dict__.get("_told_dynamic_amax"):
+            self.__dict__["_told_dynamic_amax"] = True
+            logger.debug(
+                "%s: no amax (built by hand, not calibrated): each input is quantized with its own amax",
+                self.name,
+            )
+        return reduce_amax(x.detach(), self._spec).float()
 
     # ----------------------------------------------------------------------- repr
     def extra_repr(self) -> str:
@@ -340,7 +403,7 @@ class TensorQuantizer(QuantizerBuffers):
             else:
                 parts.append(f"amax=[{a.min().item():.4g}, {a.max().item():.4g}] {tuple(a.shape)}")
         elif self._spec.needs_amax:
-            parts.append("amax=None")
+            parts.append("amax=None" if self.calibration_expected else "amax=dynamic")
         elif self._spec.kind != "mx":
             parts.append("amax=dynamic")
         if self._pre_quant_scale is not None:
@@ -359,4 +422,6 @@ class TensorQuantizer(QuantizerBuffers):
             parts.append("backward=clipped")
         if self._attrs.learn_amax:
             parts.append("learn_amax")
+        if self._attrs.pinned_amax is not None:
+            parts.append("constant_amax")
         return " ".join(parts)

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from .._version import __version__
+from ..logging import get_logger
 from ..nn import QUANT_MODULES, QuantModule, SequentialQuantizer, TensorQuantizer, iter_quantizers
 from ..nn.quant_linear import LOWRANK_BUFFERS, lowrank_factors, set_lowrank_factors
 from ..quantization import QuantizeConfig, quant_state, quantizer_attributes
@@ -26,6 +27,25 @@ from ..quantization.model_quant import QuantState, set_quant_state
 __all__ = ["modelopt_state", "restore_from_modelopt_state"]
 
 _FORMAT = 1
+logger = get_logger(__name__)
+
+
+def _portable(value: Any, custom: set[str]) -> Any:
+    """``value`` with every custom calibrator (a class, or ``(class, args, kwargs)``, under a
+    ``"calibrator"`` key) recorded as ``"max"``: a Python class has no JSON form, and the state holds the
+    calibrated amax, which does not depend on it. The class names go into ``custom``."""
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            if k == "calibrator" and not isinstance(v, str):
+                cls = v[0] if isinstance(v, (tuple, list)) else v
+                custom.add(getattr(cls, "__qualname__", repr(cls)))
+                v = "max"
+            out[k] = _portable(v, custom)
+        return out
+    if isinstance(value, (list, tuple)):
+        return type(value)(_portable(v, custom) for v in value)
+    return value
 
 
 def _class_name(cls: type) -> str:
@@ -37,7 +57,7 @@ def _quantizer_entry(q: TensorQuantizer) -> dict[str, Any]:
     shapes = [] if factors is None else [list(t.shape) for t in factors]
     lowrank = dict(zip(LOWRANK_BUFFERS, shapes, strict=False))
     return {
-        "attributes": plain(q.attribute_dict(), str_keys=True),
+        "attributes": plain(q.attribute_dict(), str_keys=True),  # (custom calibrators: see _portable)
         "quant_enabled": q._quant_enabled,
         "buffers": {**q.buffer_shapes(), **lowrank},
     }
@@ -64,10 +84,19 @@ def modelopt_state(model: nn.Module) -> dict[str, Any]:
             quantizers[name] = _quantizer_entry(q)
     state = quant_state(model)
     config = getattr(model, "config", None)
+    custom: set[str] = set()
+    quantizers = _portable(quantizers, custom)
+    quant_config = _portable(plain(state.config.to_dict(), str_keys=True), custom) if state else None
+    if custom:
+        logger.info(
+            "modelopt state: the custom calibrator(s) %s are recorded as 'max' (a class has no JSON form; "
+            "the calibrated amax values are saved)",
+            ", ".join(sorted(custom)),
+        )
     return {
         "format": _FORMAT,
         "producer": {"name": "modelopt_lite", "version": __version__},
-        "quant_config": plain(state.config.to_dict(), str_keys=True) if state else None,
+        "quant_config": quant_config,
         "provenance": state.provenance.rules if state else {},
         "attn_implementation": getattr(config, "_attn_implementation", None),
         "modules": modules,
@@ -199,6 +228,7 @@ def _apply_state(model: nn.Module, state: dict[str, Any]) -> None:
         if "stages" in entry:
             attrs = [_attributes(s, qname) for s in entry["stages"]]
             seq = SequentialQuantizer(qname, attrs)
+            seq.calibration_expected = True
             parent.replace_quantizer(slot, seq) if isinstance(parent, QuantModule) else setattr(
                 parent, slot, seq
             )

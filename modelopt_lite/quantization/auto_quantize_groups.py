@@ -231,8 +231,10 @@ def _make_quantizers(unit: _Unit, entries: list[dict[str, Any]]) -> dict[str, An
         attrs = rule.attributes() if rule is not None else None
         if attrs is not None and len(attrs) > 1:
             made[slot] = SequentialQuantizer(name, list(attrs))
+            made[slot].calibration_expected = True
             continue
         q = TensorQuantizer(name)
+        q.calibration_expected = True  # (calibrated before it is scored)
         if attrs:
             q.set_attributes(attrs[0])
         elif rule is None:

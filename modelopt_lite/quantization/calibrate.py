@@ -232,7 +232,7 @@ def activation_quantizers(model: nn.Module) -> list[TensorQuantizer]:
             continue
         if isinstance(q, SequentialQuantizer):
             raise NotImplementedError(f"{name}: sequential quantizers are supported on weights only")
-        if q.spec.needs_amax:
+        if q.spec.needs_amax and q.attributes.pinned_amax is None:  # (a pinned amax is not calibrated)
             activations.append(q)
     return activations
 

@@ -115,7 +115,7 @@ class QuantizerAttributeConfig(_MappingModel):
     block_sizes: dict[Any, Any] | None = None
     bias: Any = None
     trt_high_precision_dtype: Literal["Float", "Half", "BFloat16"] = "Float"
-    calibrator: str = "max"
+    calibrator: Any = "max"  # a name, or a calibrator class with its arguments (checked by attributes())
     calibrator_options: dict[str, Any] = Field(default_factory=dict)
     rotate: Any = False
     pass_through_bwd: bool = True

@@ -194,8 +194,11 @@ def remove_quantizers(model: nn.Module, implementations: dict[str, str | None] |
 
 
 def name_quantizers(model: nn.Module) -> None:
+    """Name every quantizer by its dotted path and mark it as one to calibrate (``calibration_expected``:
+    run without an amax it raises, where a quantizer built by hand takes each input's own amax)."""
     for name, quantizer in iter_quantizers(model):
         quantizer.name = name
+        quantizer.calibration_expected = True
 
 
 def _use_kv_attention(model: nn.Module) -> None:
@@ -301,6 +304,7 @@ def _set(parent: nn.Module, slot: str, name: str, quantizer, attrs) -> bool:
         new = TensorQuantizer(name).set_attributes(attrs[0])
     else:
         new = SequentialQuantizer(name, attrs)
+    new.calibration_expected = True
     _replace(parent, slot, new)
     return True
 

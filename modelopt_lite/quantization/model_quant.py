@@ -205,7 +205,8 @@ _PROBE_SLOTS = ("m.input_quantizer", "m.weight_quantizer", "m.output_quantizer",
 
 def need_calibration(config: QuantizeConfig | Mapping[str, Any] | str) -> bool:
     """Whether quantizing with ``config`` needs calibration data: the algorithm searches on data, or an
-    activation / KV quantizer with a static (amax-based) format ends up enabled. Weight quantizers are
+    activation / KV quantizer with a static (amax-based) format and no pinned amax (``constant_amax``,
+    ``use_constant_amax``) ends up enabled. Weight quantizers are
     calibrated from the weights and never need data. Rules are resolved in order on the standard names."""
     cfg = resolve_config(config)
     if cfg.algorithm_name not in (None, "max"):
@@ -221,7 +222,7 @@ def need_calibration(config: QuantizeConfig | Mapping[str, Any] | str) -> bool:
             if rule.is_fallback or fnmatch.fnmatchcase(match_name(slot), rule.quantizer_name):
                 slots[slot] = (attrs[-1], attrs[-1].enable) if attrs else (current, bool(rule.enable))
     return any(
-        enabled and attrs.spec().needs_amax
+        enabled and attrs.spec().needs_amax and attrs.pinned_amax is None  # (a pinned amax needs no data)
         for slot, (attrs, enabled) in slots.items()
         if "weight_quantizer" not in slot
     )

@@ -12,10 +12,14 @@ __all__ = ["block_gram", "block_weighted_error", "clone_quantizer", "quantize_li
 
 
 def clone_quantizer(q: Quantizer) -> Quantizer:
-    """A fresh quantizer with ``q``'s attributes, enabled and uncalibrated."""
+    """A fresh quantizer with ``q``'s attributes, enabled and uncalibrated (and, like the quantizers the
+    search algorithms work on, raising when run without an amax)."""
     if isinstance(q, SequentialQuantizer):
-        return SequentialQuantizer(q.name, [s.attributes for s in q])
-    return TensorQuantizer(q.name).set_attributes(q.attributes)
+        clone: Quantizer = SequentialQuantizer(q.name, [s.attributes for s in q])
+    else:
+        clone = TensorQuantizer(q.name).set_attributes(q.attributes)
+    clone.calibration_expected = True
+    return clone
 
 
 @torch.no_grad()

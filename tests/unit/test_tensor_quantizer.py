@@ -50,6 +50,8 @@ def test_static_block_calibration_and_padding():
 def test_nvfp4_needs_calibrated_global_amax():
     q = TensorQuantizer("x", **NVFP4)
     x = torch.randn(4, 64)
+    assert torch.equal(q(x), nvfp4_fake_quant(x, x.abs().amax()))  # built by hand: the input's own amax
+    q.calibration_expected = True  # (as mtq.quantize marks the quantizers it inserts)
     with pytest.raises(RuntimeError, match="x: nvfp4 block16 has no amax"):
         q(x)
     _calibrate(q, x)
@@ -66,6 +68,7 @@ def test_mx_and_dynamic_need_no_calibration():
 
 def test_uncalibrated_static_quantizer_raises_and_no_data_raises():
     q = TensorQuantizer("layers.0.q_proj.input_quantizer", num_bits=8)
+    q.calibration_expected = True
     with pytest.raises(RuntimeError, match=r"layers\.0\.q_proj\.input_quantizer.*has no amax"):
         q(torch.randn(3))
     q.enable_calib()
@@ -98,7 +101,10 @@ def test_disable_enable_and_repr():
     assert repr(q) == "TensorQuantizer(disabled)"
     q.enable()
     assert not torch.equal(q(x), x)
-    assert repr(TensorQuantizer("n", **NVFP4)) == "TensorQuantizer(nvfp4 block16 amax=None)"
+    assert repr(TensorQuantizer("n", **NVFP4)) == "TensorQuantizer(nvfp4 block16 amax=dynamic)"  # by hand
+    expected = TensorQuantizer("n", **NVFP4)
+    expected.calibration_expected = True
+    assert repr(expected) == "TensorQuantizer(nvfp4 block16 amax=None)"
     assert "per-token(axis=-1) dynamic amax=dynamic" in repr(
         TensorQuantizer("t", num_bits=8, block_sizes={-1: None, "type": "dynamic"})
     )

@@ -109,12 +109,18 @@ def attribute_updates(cfg: Mapping[str, Any], where: str = "cfg") -> dict[str, A
         if kind == "dynamic":
             blocks.setdefault("type", "dynamic")
         out["block_sizes"] = blocks
+    if out.get("backward", "pass_through") is None:  # (a model_dump of QuantizerAttributeConfig: not set)
+        del out["backward"]
     if "pass_through_bwd" in cfg:
         if not isinstance(cfg["pass_through_bwd"], bool):
             raise TypeError(f"{where}: pass_through_bwd must be True or False")
-        if "backward" in cfg:
-            raise ValueError(f"{where}: give either pass_through_bwd or backward, not both")
-        out["backward"] = "pass_through" if cfg["pass_through_bwd"] else "clipped"
+        backward = "pass_through" if cfg["pass_through_bwd"] else "clipped"
+        if out.get("backward", backward) != backward:
+            raise ValueError(
+                f"{where}: pass_through_bwd={cfg['pass_through_bwd']} contradicts "
+                f"backward={out['backward']!r}; give one of them"
+            )
+        out["backward"] = backward
     if "enable" in cfg:
         out["enable"] = cfg["enable"]
     return out

@@ -15,7 +15,8 @@ keeps the branch (the layer computes the same function).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ from transformers.pytorch_utils import Conv1D
 
 from .attribute_dict import quantizer_attributes
 from .quant_module import QUANT_MODULES, Quantizer, QuantModule
+from .quantizer_attributes import QuantizerAttributes
 from .tensor_quantizer import TensorQuantizer
 
 __all__ = ["LOWRANK_BUFFERS", "QuantConv1D", "QuantLinear", "lowrank_factors", "set_lowrank_factors"]
@@ -47,6 +49,19 @@ def set_lowrank_factors(quantizer: nn.Module, a: torch.Tensor, b: torch.Tensor) 
         quantizer.register_buffer(name, value.detach().clone())
 
 
+def _attributes(desc: Any, slot: str) -> QuantizerAttributes:
+    if not isinstance(desc, Mapping):
+        raise TypeError(
+            f"{slot}: a quantizer descriptor is a mapping of attributes such as "
+            f"QuantizerAttributeConfig(...), got {type(desc).__name__}"
+        )
+    return quantizer_attributes(desc, desc.get("enable", True), slot)
+
+
+def _quantizer(slot: str, desc: Mapping[str, Any]) -> TensorQuantizer:
+    return TensorQuantizer(slot).set_attributes(_attributes(desc, slot))
+
+
 @QUANT_MODULES.register(nn.Linear)
 class QuantLinear(QuantModule):
     """``y = Q_out(F.linear(Q_in(x), Q_w(W), b))``.
@@ -54,35 +69,42 @@ class QuantLinear(QuantModule):
     Usually made by :func:`mtq.quantize`, which turns each ``nn.Linear`` of a model into one. It can also be
     built directly, as in the reference library: ``QuantLinear(in_features, out_features, bias=True,
     quant_desc_input=..., quant_desc_weight=...)`` (the descriptors are attribute mappings such as a
-    ``QuantizerAttributeConfig``) makes an ``nn.Linear`` with the same arguments and converts it. As in the
-    reference, the weight is quantized per output channel (INT8, ``axis=0``) unless ``quant_desc_weight``
-    says otherwise, and the input per tensor (INT8)."""
+    ``QuantizerAttributeConfig``) makes an ``nn.Linear`` with the same arguments and converts it. A subclass
+    may define its own ``__init__`` (calling ``super().__init__(...)`` with those arguments) and its own
+    defaults ``default_quant_desc_input`` / ``default_quant_desc_weight`` / ``default_quant_desc_output``;
+    as in the reference, the weight quantizer defaults to 8 bits per output channel (``axis=0``) and the
+    input and output quantizers to 8 bits per tensor (the output one disabled)."""
 
     weight: nn.Parameter
     bias: nn.Parameter | None
     _builds: type[nn.Module] = nn.Linear  # what the reference-style constructor makes and converts
+    default_quant_desc_input: Mapping[str, Any] = MappingProxyType({"num_bits": 8, "axis": None})
+    default_quant_desc_weight: Mapping[str, Any] = MappingProxyType({"num_bits": 8, "axis": 0})
+    default_quant_desc_output: Mapping[str, Any] = MappingProxyType({"num_bits": 8, "axis": None})
 
-    def __new__(cls, *args: Any, quant_desc_input: Any = None, quant_desc_weight: Any = None, **kwargs: Any):
-        if "original_cls" in cls.__dict__:  # the class a conversion made (copy / unpickling land here)
+    def __new__(cls, *args: Any, **kwargs: Any):
+        if "original_cls" in cls.__dict__:  # a class the registry made (copy / unpickling land here too)
             return super().__new__(cls)
-        module = QUANT_MODULES.convert(cls._builds(*args, **kwargs))
-        if quant_desc_weight is None:
-            quant_desc_weight = {"num_bits": 8, "axis": 0}  # the reference's default weight descriptor
+        # QuantLinear(...) or a user's subclass: an instance of that class combined with the module it
+        # builds, whose __init__ (the subclass's, then ours) Python runs next
+        quantized = QUANT_MODULES.quantized_class(cls, cls._builds, keep_name=cls is not QuantLinear)
+        return super().__new__(quantized)
+
+    def __init__(
+        self, *args: Any, quant_desc_input: Any = None, quant_desc_weight: Any = None, **kwargs: Any
+    ) -> None:
+        """Build the module with the original class's ``__init__`` (``nn.Linear(in_features,
+        out_features, bias, device, dtype)``), add the quantizers, then set the given descriptors."""
+        self.original_cls.__init__(self, *args, **kwargs)
+        self._setup()
         for slot, desc in (("input_quantizer", quant_desc_input), ("weight_quantizer", quant_desc_weight)):
             if desc is not None:
-                getattr(module, slot).set_attributes(
-                    quantizer_attributes(desc, desc.get("enable", True), slot)
-                )
-        return module
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        """Nothing to do: ``__new__`` built and converted the module (``nn.Linear.__init__`` must not run
-        again on it)."""
+                getattr(self, slot).set_attributes(_attributes(desc, slot))
 
     def _setup(self) -> None:
-        self.input_quantizer = TensorQuantizer("input_quantizer")
-        self.weight_quantizer = TensorQuantizer("weight_quantizer")
-        self.output_quantizer = TensorQuantizer("output_quantizer")
+        self.input_quantizer = _quantizer("input_quantizer", self.default_quant_desc_input)
+        self.weight_quantizer = _quantizer("weight_quantizer", self.default_quant_desc_weight)
+        self.output_quantizer = _quantizer("output_quantizer", self.default_quant_desc_output)
         self.output_quantizer.disable()
 
     def _weight_view(self) -> torch.Tensor:
@@ -96,11 +118,12 @@ class QuantLinear(QuantModule):
         return self._from_view(self.weight_quantizer(self._weight_view()))
 
     def weight_quantizer_pairs(self) -> Iterator[tuple[Quantizer, torch.Tensor]]:
-        yield self.weight_quantizer, self._weight_view()
+        if self.weight is not None:  # a layer whose weight was removed (set to None) has nothing to calibrate
+            yield self.weight_quantizer, self._weight_view()
 
     @torch.no_grad()
     def fold_weight(self) -> None:
-        if self.weight_quantizer.is_enabled:
+        if self.weight_quantizer.is_enabled and self.weight is not None:
             self.weight.copy_(self.quantized_weight())
             self.weight_quantizer.disable()
 

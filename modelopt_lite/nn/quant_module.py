@@ -202,6 +202,21 @@ class QuantModuleRegistry:
                 return base
         return None
 
+    def quantized_class(
+        self, wrapper: type[nn.Module], cls: type[nn.Module], keep_name: bool = False
+    ) -> type[nn.Module]:
+        """The class a ``cls`` module becomes with ``wrapper`` (made once per pair): ``Quant<cls>``, or the
+        wrapper's own name with ``keep_name`` (a user's subclass of ``QuantLinear``)."""
+        key = (wrapper, cls)
+        if key not in self._dynamic:
+            # Model-Optimizer's form (a subclass of the original with _setup) gets QuantModule's defaults
+            # behind its own methods; QuantModule mixins come first as they are.
+            bases = (wrapper, cls) if issubclass(wrapper, QuantModule) else (wrapper, QuantModule, cls)
+            name = wrapper.__name__ if keep_name else f"Quant{cls.__name__}"
+            attrs = {"original_cls": cls, "__module__": wrapper.__module__}
+            self._dynamic[key] = type(name, bases, attrs)
+        return self._dynamic[key]
+
     def convert(self, module: nn.Module) -> QuantModule:
         """Swap ``module`` to its quantized class, add its quantizers and return it (the same object).
         Raises ``KeyError`` when no wrapper applies (test with ``type(module) in registry``)."""
@@ -209,15 +224,7 @@ class QuantModuleRegistry:
         wrapper = self.wrapper_for(cls)
         if wrapper is None:
             raise KeyError(f"{cls.__qualname__} has no registered quantized class")
-        key = (wrapper, cls)
-        if key not in self._dynamic:
-            # Model-Optimizer's form (a subclass of the original with _setup) gets QuantModule's defaults
-            # behind its own methods; QuantModule mixins come first as they are.
-            bases = (wrapper, cls) if issubclass(wrapper, QuantModule) else (wrapper, QuantModule, cls)
-            self._dynamic[key] = type(
-                f"Quant{cls.__name__}", bases, {"original_cls": cls, "__module__": wrapper.__module__}
-            )
-        module.__class__ = self._dynamic[key]
+        module.__class__ = self.quantized_class(wrapper, cls)
         _rebind_forward(module, cls)
         module._setup()
         return module

@@ -28,6 +28,7 @@ from ..nn import QUANT_MODULES, QuantizerAttributes, QuantModule, SequentialQuan
 from ..nn.errors import UnsupportedFeatureError
 from .calibrate import ForwardLoop, run_forward_loop
 from .config import QuantizeConfig, quantizer_attributes
+from .config_models import QuantizerCfgEntry
 from .insertion import _parent_matches, _set, _slots, insert_quantizers, match_name
 from .model_quant import fold_weight, quant_state, set_quantizer_by_cfg
 from .presets import with_kv_cache
@@ -228,15 +229,30 @@ def set_quantizer_by_cfg_context(quant_model: nn.Module, quant_cfg: Any) -> Iter
 
 
 # --------------------------------------------------------------------------------------------- configs
-def normalize_quant_cfg_list(v: Any) -> list[dict[str, Any]]:
-    """``quant_cfg`` (list form, the older dict form, or a whole config) as a list of rule dicts
-    (``quantizer_name``, ``cfg``, ``enable``, ``parent_class``), validated."""
+def normalize_quant_cfg_list(v: Any) -> list[QuantizerCfgEntry]:
+    """``quant_cfg`` (the list form, the older dict form with ``"default"`` and ``"nn.*"``-scoped keys, or a
+    whole config) as validated :class:`~.config_models.QuantizerCfgEntry` objects in the order they apply,
+    each with ``quantizer_name``, ``parent_class``, ``cfg`` (a ``QuantizerAttributeConfig``, a list of them,
+    or ``None``) and ``enable`` filled in, as the reference returns them. The legacy key ``"default"``
+    becomes ``"*"`` and, being the fallback (:mod:`.config`), comes first. A bad entry raises
+    ``pydantic.ValidationError``; a ``quant_cfg`` that is neither a list nor a mapping ``ValueError``."""
     raw = v["quant_cfg"] if isinstance(v, Mapping) and "quant_cfg" in v else v
-    return [r.to_dict() for r in QuantizeConfig.from_dict({"quant_cfg": raw, "algorithm": None}).quant_cfg]
+    if isinstance(raw, (str, bytes)) or not isinstance(raw, (Mapping, Sequence)):
+        raise ValueError(
+            f"quant_cfg must be a list of entries (or the older flat mapping), got "
+            f"{type(raw).__name__}: {raw!r}"
+        )
+    config = QuantizeConfig.from_dict({"quant_cfg": raw, "algorithm": None})
+    return [
+        QuantizerCfgEntry(**{**r.to_dict(), "quantizer_name": "*" if r.is_fallback else r.quantizer_name})
+        for _, r in config.ordered_rules()
+    ]
 
 
 def find_quant_cfg_entry_by_path(quant_cfg_list: Sequence[Mapping[str, Any]], quantizer_name: str) -> Any:
-    """The last entry whose ``quantizer_name`` is exactly ``quantizer_name`` (``KeyError`` if none)."""
+    """The last entry whose ``quantizer_name`` is exactly ``quantizer_name`` (no wildcard matching: the
+    entry as written; the last one, as later entries win), in a raw or a normalized list (``KeyError`` if
+    none)."""
     found = [e for e in quant_cfg_list if e.get("quantizer_name") == quantizer_name]
     if not found:
         raise KeyError(f"no quant_cfg entry with quantizer_name={quantizer_name!r}")
@@ -305,7 +321,7 @@ def temporarily_fold_weights(
 ) -> Iterator[None]:
     """Fold the quantized weights (:func:`mtq.fold_weight`) for the duration of the block, then put back the
     original weights (copies kept on ``snapshot_device``, default: where they are) and re-enable the weight
-    quantizers that were on."""
+    quantizers that were on. Layers without a weight (``weight`` set to ``None``) are left alone."""
     if is_sharded(model):
         raise NotImplementedError(
             "temporarily_fold_weights on an FSDP2-sharded model; fold before fully_shard"

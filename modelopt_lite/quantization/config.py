@@ -22,9 +22,13 @@ that; release 0.47 of the reference applies it in place, which disables everythi
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
+import importlib
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
+
+from pydantic import ValidationError
 
 from ..nn import QuantizerAttributes
 from ..nn.attribute_dict import UnsupportedFeatureError, quantizer_attributes
@@ -33,6 +37,7 @@ __all__ = [
     "ALGORITHMS",
     "EXPERTS_WITHOUT_TOKENS",
     "EXPERTS_WITHOUT_TOKENS_CHOICES",
+    "LAYERWISE_UNSUPPORTED",
     "UNSUPPORTED_ALGORITHMS",
     "QuantRule",
     "QuantizeConfig",
@@ -40,6 +45,7 @@ __all__ = [
     "experts_without_tokens",
     "plain",
     "quantizer_attributes",
+    "validating",
 ]
 
 #: The reference's calibration algorithms that this library does not implement, with what to use instead.
@@ -80,6 +86,20 @@ def experts_without_tokens(value: Any) -> str:
     return value
 
 
+@contextmanager
+def validating(title: str) -> Iterator[None]:
+    """Report a bad config as the reference does: a ``ValueError`` or ``TypeError`` raised inside becomes a
+    ``pydantic.ValidationError`` (itself a ``ValueError``) titled ``title``, with the same message.
+    :class:`UnsupportedFeatureError` (a feature we leave out) passes unchanged."""
+    try:
+        yield
+    except (ValidationError, UnsupportedFeatureError):
+        raise
+    except (ValueError, TypeError) as err:
+        details = {"type": "value_error", "loc": (), "input": None, "ctx": {"error": str(err)}}
+        raise ValidationError.from_exception_data(title, [details], hide_input=True) from None  # type: ignore[list-item]
+
+
 def plain(value: Any, str_keys: bool = False) -> Any:
     """Tuples -> lists (and, with ``str_keys``, keys -> strings) so that YAML / JSON write plain data."""
     if isinstance(value, dict):
@@ -87,6 +107,13 @@ def plain(value: Any, str_keys: bool = False) -> Any:
     if isinstance(value, (list, tuple)):
         return [plain(v, str_keys) for v in value]
     return value
+
+
+def is_empty_cfg(cfg: Any) -> bool:
+    """``{}``, ``[]`` or a list of ``{}``."""
+    if isinstance(cfg, Mapping):
+        return len(cfg) == 0
+    return isinstance(cfg, (list, tuple)) and all(isinstance(c, Mapping) and len(c) == 0 for c in cfg)
 
 
 @dataclass(frozen=True)
@@ -108,9 +135,14 @@ class QuantRule:
             raise TypeError(f"{where}: parent_class must be a class name such as 'nn.Linear'")
         if self.cfg is None and self.enable is None:
             raise ValueError(f"{where}: a rule needs 'cfg', 'enable' or both")
+        if is_empty_cfg(self.cfg):  # as in the reference: nothing to set when disabling, else a mistake
+            if self.enable is not False:
+                raise ValueError(
+                    f"{where}: cfg is empty; give at least one attribute, or drop cfg and set enable (True "
+                    "keeps the quantizer's attributes, False disables it)"
+                )
+            object.__setattr__(self, "cfg", None)
         if isinstance(self.cfg, Sequence) and not isinstance(self.cfg, (str, bytes)):
-            if len(self.cfg) == 0:
-                raise ValueError(f"{where}: cfg list is empty")
             if not all(isinstance(c, Mapping) for c in self.cfg):
                 raise TypeError(
                     f"{where}: a cfg list holds one attribute mapping per stage, got {self.cfg!r}"
@@ -195,15 +227,34 @@ class QuantRule:
         raise TypeError(f"quant_cfg[{pattern!r}]={value!r}: expected a mapping of attributes or a list")
 
 
+#: What a config asking for the reference's layer-by-layer calibration (``layerwise={"enable": True}``) hears.
+LAYERWISE_UNSUPPORTED = (
+    "layerwise calibration (one decoder layer at a time, layerwise={'enable': True}) is not implemented; "
+    "drop 'layerwise' to calibrate the whole model (our search algorithms already process one transformer "
+    "block at a time)"
+)
+
+
+def _without_layerwise(name: Any, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` less the reference's ``layerwise`` switch: off is dropped, on raises."""
+    layerwise = options.pop("layerwise", None)
+    enabled = layerwise.get("enable", False) if isinstance(layerwise, Mapping) else layerwise
+    if enabled:
+        raise UnsupportedFeatureError(f"algorithm={name!r}: {LAYERWISE_UNSUPPORTED}")
+    return options
+
+
 def algorithm_step(algorithm: Any) -> tuple[str | None, dict[str, Any]]:
     """``(name, options)`` of one algorithm spec (a name, ``{"method": ..., **options}`` or ``None``); a spec
-    of another type raises ``TypeError``, a dict without ``"method"`` ``ValueError``."""
+    of another type raises ``TypeError``, a dict without ``"method"`` ``ValueError``. The reference's
+    ``layerwise`` option is dropped when off and raises :class:`UnsupportedFeatureError` when on."""
     if isinstance(algorithm, Mapping):
         if "method" not in algorithm:
             raise ValueError(
                 f"algorithm={dict(algorithm)!r} needs a 'method' key (one of {list(ALGORITHMS)})"
             )
-        return algorithm["method"], {k: v for k, v in algorithm.items() if k != "method"}
+        options = {k: v for k, v in algorithm.items() if k != "method"}
+        return algorithm["method"], _without_layerwise(algorithm["method"], options)
     if algorithm is not None and not isinstance(algorithm, str):
         raise TypeError(
             f"algorithm must be a name, a dict with 'method', None, or a list of these; got {algorithm!r}"
@@ -224,6 +275,10 @@ class QuantizeConfig:
     algorithm: str | Mapping[str, Any] | list[str | Mapping[str, Any] | None] | None = "max"
 
     def __post_init__(self) -> None:
+        with validating(type(self).__name__):
+            self._validate()
+
+    def _validate(self) -> None:
         # the reference's keyword form QuantizeConfig(quant_cfg=[{...}, ...]) gives entries as mappings
         rules = [
             r for e in self.quant_cfg for r in (QuantRule.from_entry(e) if isinstance(e, Mapping) else [e])
@@ -263,6 +318,13 @@ class QuantizeConfig:
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any]) -> QuantizeConfig:
+        """The config of a dict (list or dict form); a bad one raises ``pydantic.ValidationError`` (a
+        ``ValueError``) naming what is wrong, as the reference's config class does."""
+        with validating(cls.__name__):
+            return cls._from_dict(config)
+
+    @classmethod
+    def _from_dict(cls, config: Mapping[str, Any]) -> QuantizeConfig:
         if not isinstance(config, Mapping):
             raise TypeError(f"a quantization config must be a mapping, got {type(config).__name__}")
         unknown = sorted(set(config) - {"quant_cfg", "algorithm"})
@@ -304,3 +366,25 @@ class QuantizeConfig:
     def with_rules(self, *rules: QuantRule, algorithm: Any = ...) -> QuantizeConfig:
         """A copy with ``rules`` appended (they win over existing ones)."""
         return QuantizeConfig(self.quant_cfg + rules, self.algorithm if algorithm is ... else algorithm)
+
+
+#: Names of the reference's ``modelopt.torch.quantization.config`` that live elsewhere here (the pydantic
+#: config classes, the list helpers, the presets): ``from modelopt_lite.quantization.config import X`` works.
+_REFERENCE_CONFIG_NAMES = frozenset(
+    """
+    QuantizerCfgEntry QuantizerAttributeConfig RotateConfig LayerwiseConfig QuantizeAlgorithmConfig
+    MaxCalibConfig MseCalibConfig LocalHessianCalibConfig SmoothQuantCalibConfig AWQLiteCalibConfig
+    AWQClipCalibConfig AWQFullCalibConfig SVDQuantConfig GPTQCalibConfig NVFP4ActHeadroomCalibConfig LSQConfig
+    CompressConfig find_quant_cfg_entry_by_path normalize_quant_cfg_list need_calibration
+    """.split()
+)
+
+
+def __getattr__(name: str) -> Any:
+    """The reference's config-module names (``_REFERENCE_CONFIG_NAMES`` and every preset), from
+    :mod:`modelopt_lite.quantization` (imported on first use: it builds on this module)."""
+    if name in _REFERENCE_CONFIG_NAMES or name.endswith(("_CFG", "_CONFIG")):
+        package = importlib.import_module(__name__.rpartition(".")[0])
+        if hasattr(package, name):
+            return getattr(package, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

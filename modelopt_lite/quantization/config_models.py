@@ -27,8 +27,8 @@ from .config import (
     ALGORITHMS,
     QuantizeConfig,
     QuantRule,
-    UnsupportedFeatureError,
     experts_without_tokens,
+    is_empty_cfg,
     quantizer_attributes,
 )
 
@@ -125,6 +125,16 @@ class QuantizerAttributeConfig(_MappingModel):
     use_constant_amax: bool = False
     constant_amax: float | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _backward_names(cls, data: Any) -> Any:
+        # our ``backward`` and the reference's ``pass_through_bwd`` say the same thing: keep them in agreement
+        # so that ``QuantizerAttributeConfig(**cfg.model_dump())`` gives ``cfg`` back
+        if isinstance(data, Mapping) and data.get("backward") in ("pass_through", "clipped"):
+            if "pass_through_bwd" not in data:
+                data = {**data, "pass_through_bwd": data["backward"] == "pass_through"}
+        return data
+
     @model_validator(mode="after")
     def _check(self) -> QuantizerAttributeConfig:
         _as_value_error(self.attributes)
@@ -137,17 +147,51 @@ class QuantizerAttributeConfig(_MappingModel):
 
 class QuantizerCfgEntry(_MappingModel):
     """One ``quant_cfg`` rule: ``quantizer_name`` (a wildcard), optional ``parent_class``, ``cfg`` (attributes
-    or a list of them for a sequential quantizer) and ``enable``."""
+    or a list of them for a sequential quantizer) and ``enable``.
+
+    As in the reference, ``cfg`` is held as a :class:`QuantizerAttributeConfig` (a list of them for a
+    sequential quantizer) and ``enable`` is always filled: the rule's own value, else the one its ``cfg``
+    gives, else ``True``; the entry reads as a mapping of all four fields. An entry needs ``cfg``,
+    ``enable`` or both; an empty ``cfg`` means none with ``enable=False`` and is refused otherwise (it
+    would quantize with every default)."""
 
     quantizer_name: str
     parent_class: str | None = None
-    cfg: Any = None
-    enable: bool | None = None
+    cfg: QuantizerAttributeConfig | list[QuantizerAttributeConfig] | None = None
+    enable: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill(cls, data: Any) -> Any:
+        if not isinstance(data, Mapping) or isinstance(data, QuantizerCfgEntry):
+            return data
+        data = dict(data)
+        name = data.get("quantizer_name")
+        if "cfg" not in data and "enable" not in data:
+            raise ValueError(
+                f"quant_cfg entry {name!r}: give 'cfg', 'enable' or both (an entry with only quantizer_name "
+                "does nothing)"
+            )
+        cfg = data.get("cfg")
+        if cfg is not None and is_empty_cfg(cfg):
+            if data.get("enable") is not False:
+                raise ValueError(
+                    f"quant_cfg entry {name!r}: cfg is empty; give at least one attribute, or drop cfg and "
+                    "set enable (True keeps the quantizer's attributes, False disables it)"
+                )
+            data["cfg"] = None
+        elif data.get("enable") is None:
+            data["enable"] = cfg.get("enable", True) if isinstance(cfg, Mapping) else True
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> QuantizerCfgEntry:
         _as_value_error(self.rule)
         return self
+
+    def _given(self) -> dict[str, Any]:
+        # an entry reads as complete, like the reference's: every field, set or not
+        return self.model_dump()
 
     def rule(self) -> QuantRule:
         """The same rule as our :class:`~.config.QuantRule`."""
@@ -160,22 +204,15 @@ class QuantizerCfgEntry(_MappingModel):
 
 
 class LayerwiseConfig(_MappingModel):
-    """The reference's layer-by-layer calibration switch; only the default (off) is supported."""
+    """The reference's layer-by-layer calibration switch. Any value builds (so configs that mention it can
+    be read and written); calibrating with ``enable=True`` raises :class:`UnsupportedFeatureError` before
+    the model is touched (:func:`~.config.algorithm_step`)."""
 
     enable: bool = False
     get_qdq_activations_from_prev_layer: bool = False
     checkpoint_dir: str | None = None
     save_every: Annotated[int, Field(ge=1)] = 1
     calib_mutates_weights: bool = True
-
-    @model_validator(mode="after")
-    def _check(self) -> LayerwiseConfig:
-        if self.enable:
-            raise UnsupportedFeatureError(
-                "layerwise calibration (one decoder layer at a time) is not implemented; calibrate the whole "
-                "model (our algorithms already process one transformer block at a time where they search)"
-            )
-        return self
 
 
 class RotateConfig(_MappingModel):

@@ -64,8 +64,7 @@ def test_calib_configs_validate_and_read_as_the_algorithm_dict():
         mtq.AWQLiteCalibConfig(alpha_step=2.0)
     with pytest.raises(ValidationError, match=r"unknown field\(s\) \['alpha'\]"):
         mtq.MaxCalibConfig(alpha=0.5)
-    with pytest.raises(ValidationError, match="layerwise calibration"):
-        mtq.MaxCalibConfig(layerwise={"enable": True})
+    assert mtq.MaxCalibConfig(layerwise={"enable": True}).layerwise.enable  # builds; calibrating raises
     assert mtq.SVDQuantConfig(lowrank=8).config([]).algorithm == {"method": "svdquant", "lowrank": 8}
 
 
@@ -247,7 +246,8 @@ def test_config_list_helpers():
     rules = mtq.normalize_quant_cfg_list(
         {"*weight_quantizer": {"num_bits": 8, "axis": 0}, "default": {"enable": False}}
     )
-    assert rules[0] == {"quantizer_name": "*weight_quantizer", "cfg": {"num_bits": 8, "axis": 0}}
+    assert rules[1]["quantizer_name"] == "*weight_quantizer"
+    assert dict(rules[1]["cfg"]) == {"num_bits": 8, "axis": 0}
     assert (
         mtq.find_quant_cfg_entry_by_path(mtq.INT8_DEFAULT_CFG["quant_cfg"], "*input_quantizer")["cfg"][
             "num_bits"

@@ -23,8 +23,10 @@ other processes kept busy meanwhile (``others``).
 Forward rows (``FORWARD``: NVFP4_DEFAULT_CFG and FP8_DEFAULT_CFG, max): in one process per side, over the
 same calibration batches, the unquantized forward, the calibration forward (``mtq.calibrate(model, "max",
 forward_loop)``: every activation quantizer collecting, weights calibrated) and the fake-quant evaluation
-forward of the calibrated model, interleaved ``--forward-repeats`` times; reported as min and median seconds
-and as ratios to the unquantized forward (target: at most 1.3x).
+forward of the calibrated model, the latter also with the weights' fake quant folded in once (``folded``,
+``mtq.fold_weight`` on a copy: what remains is the activations' fake quant), interleaved
+``--forward-repeats`` times; reported as min and median seconds and as ratios to the unquantized forward
+(target: at most 1.3x).
 
 ``--quick``: a 2-layer Llama built in code (hidden 64, vocab 128, random weights) and 2 batches of 32
 random tokens instead of the real model, 1 repeat, our side only unless ``--reference-python`` is given (a
@@ -113,16 +115,20 @@ def _child_row(spec: dict) -> dict:
 
 
 def _child_forward(spec: dict) -> dict:
-    """Unquantized, calibration and fake-quant evaluation forwards over the same batches, interleaved."""
+    """Unquantized, calibration and fake-quant evaluation forwards over the same batches, interleaved; the
+    last also with the weights' fake quant folded into them once (``mtq.fold_weight``: ``folded``), so that
+    the activations' share of the evaluation's cost shows."""
     import torch
 
     model, forward_loop = _load(spec)
     mtq = _mtq(spec["which"])
     plain = copy.deepcopy(model)
     mtq.quantize(model, _config(mtq, spec["preset"], "max"), forward_loop)
-    forward_loop(model)  # warm-up (kernels, allocator)
-    forward_loop(plain)
-    times: dict[str, list[float]] = {"unquantized": [], "calibration": [], "evaluation": []}
+    folded = copy.deepcopy(model)  # the weights' fake quant folded once, as a deployed evaluation runs
+    mtq.fold_weight(folded)
+    for m in (model, plain, folded):
+        forward_loop(m)  # warm-up (kernels, allocator)
+    times: dict[str, list[float]] = {"unquantized": [], "calibration": [], "evaluation": [], "folded": []}
     start = h.CpuMark.now()
     for _ in range(spec["repeats"]):
         for kind in times:
@@ -132,7 +138,7 @@ def _child_forward(spec: dict) -> dict:
             elif kind == "calibration":
                 mtq.calibrate(model, algorithm="max", forward_loop=forward_loop)
             else:
-                forward_loop(model)
+                forward_loop(folded if kind == "folded" else model)
             times[kind].append(time.perf_counter() - t)
     _, others = start.since()
     del torch

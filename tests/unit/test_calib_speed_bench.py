@@ -28,3 +28,4 @@ def test_quick_run_measures_every_row_and_the_forward_ratios(tmp_path: Path) -> 
     assert ours["unquantized"]["ratio"] == 1.0
     assert ours["calibration"]["ratio"] > 0
     assert ours["evaluation"]["ratio"] > 0
+    assert ours["folded"]["ratio"] > 0  # the evaluation with the weights' fake quant folded in once

@@ -56,12 +56,41 @@ def _errors(result: dict[str, Any]) -> list[str]:
             for key in ("error", "export_error"):
                 if r.get(key):
                     lines.append(f"{lib} {r['name']} ({key.replace('_', ' ')}): {r[key]}")
-            for key in ("dequantized", "compressed", "exported"):
+            for key in ("dequantized", "compressed", "dequantized_act", "compressed_act", "exported"):
                 if isinstance(r.get(key), dict) and r[key].get("error"):
                     lines.append(f"{lib} {r['name']} ({key} reload): {r[key]['error']}")
     for k, v in result["peers"].items():
         if v.get("error"):
             lines.append(f"{k} worker: {v['error']}")
+    return lines
+
+
+def _activations_roundtrip(result: dict[str, Any]) -> list[str]:
+    """The table of the exports reloaded with ``activations="fake"`` against the full fake-quant model."""
+    rows = [r for r in result["ours"] if "dequantized_act" in r or "compressed_act" in r]
+    if not rows:
+        return []
+    n = rows[0].get("full_fake_ppl", {}).get("windows", "—")
+    lines = [
+        "",
+        "Export round trip with activations (ours): test perplexity of the export reloaded with each layer's "
+        "input (and the KV cache) fake-quantized from the stored scales (`load_hf_checkpoint(dir, "
+        'activations="fake")`, dequantized and `compress=True`), relative to the full fake-quant model, '
+        f"on the first {n} test windows (goal < {ROUNDTRIP_GOAL:g}).",
+        "",
+        "| row | quant_algo | KV cache | full fake ppl | dequantized + act. ppl | rel. diff "
+        "| compressed + act. ppl | rel. diff |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        d, c = row.get("dequantized_act") or {}, row.get("compressed_act") or {}
+        dppl = "error" if d.get("error") else _f(d.get("ppl"), ".4f")
+        cppl = "error" if c.get("error") else _f(c.get("ppl"), ".4f")
+        lines.append(
+            f"| {row['name']} | {row.get('quant_algo', '—')} | {row.get('kv_cache_quant_algo') or '—'} | "
+            f"{_f((row.get('full_fake_ppl') or {}).get('ppl'), '.4f')} | {dppl} | "
+            f"{_f(d.get('rel_ppl_vs_fake'), '.1e')} | {cppl} | {_f(c.get('rel_ppl_vs_fake'), '.1e')} |"
+        )
     return lines
 
 
@@ -135,6 +164,7 @@ def markdown(result: dict[str, Any]) -> str:
                 f"{_f(d.get('rel_ppl_vs_fake'), '.1e')} | {cppl} | "
                 + f"{_f(c.get('rel_ppl_vs_fake'), '.1e')} | {head_s} |"
             )
+    lines += _activations_roundtrip(result)
     tao = result["peers"].get("torchao", {}).get("rows", [])
     if tao:
         lines += ["", "torchao `quantize_` (every linear but `lm_head`):", ""]

@@ -76,20 +76,24 @@ def _activations_roundtrip(result: dict[str, Any]) -> list[str]:
         "Export round trip with activations (ours): test perplexity of the export reloaded with each layer's "
         "input (and the KV cache) fake-quantized from the stored scales (`load_hf_checkpoint(dir, "
         'activations="fake")`, dequantized and `compress=True`), relative to the full fake-quant model, '
-        f"on the first {n} test windows (goal < {ROUNDTRIP_GOAL:g}).",
+        f"on the first {n} test windows (goal < {ROUNDTRIP_GOAL:g}); last column: the fake-quant model "
+        "itself with its static activation amax replaced by the one the reload recovers (stored scale * "
+        "max, within an ulp), and how many changed.",
         "",
         "| row | quant_algo | KV cache | full fake ppl | dequantized + act. ppl | rel. diff "
-        "| compressed + act. ppl | rel. diff |",
-        "|---|---|---|---|---|---|---|---|",
+        "| compressed + act. ppl | rel. diff | fake, recovered amax: rel. diff (amax changed) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         d, c = row.get("dequantized_act") or {}, row.get("compressed_act") or {}
+        rec = row.get("fake_recovered_amax_ppl") or {}
         dppl = "error" if d.get("error") else _f(d.get("ppl"), ".4f")
         cppl = "error" if c.get("error") else _f(c.get("ppl"), ".4f")
         lines.append(
             f"| {row['name']} | {row.get('quant_algo', '—')} | {row.get('kv_cache_quant_algo') or '—'} | "
             f"{_f((row.get('full_fake_ppl') or {}).get('ppl'), '.4f')} | {dppl} | "
-            f"{_f(d.get('rel_ppl_vs_fake'), '.1e')} | {cppl} | {_f(c.get('rel_ppl_vs_fake'), '.1e')} |"
+            f"{_f(d.get('rel_ppl_vs_fake'), '.1e')} | {cppl} | {_f(c.get('rel_ppl_vs_fake'), '.1e')} | "
+            f"{_f(rec.get('rel_ppl_vs_fake'), '.1e')} ({rec.get('changed_amax', '—')}) |"
         )
     return lines
 

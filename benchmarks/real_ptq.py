@@ -215,6 +215,42 @@ def weight_only(model: Any) -> int:
     return n
 
 
+def recovered_amax(model: Any, export_dir: Path) -> int:
+    """Give the fake-quant model's static input and KV-cache quantizers the amax a reload recovers from the
+    export (``stored scale * max``, within an ulp of the calibrated one), in place; returns how many amax
+    changed. The model then differs from the reload with ``activations="fake"`` only by the weights'
+    dequantization (bit-exact or within a few ulp)."""
+    import torch
+    from safetensors import safe_open
+
+    from modelopt_lite.export.load_activations import _INPUT_MAX, _KV_MAX
+    from modelopt_lite.nn import TensorQuantizer
+
+    stored: dict[str, torch.Tensor] = {}
+    for f in Path(export_dir).glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            for key in st.keys():
+                if key.endswith(("input_scale", "k_scale", "v_scale")):
+                    stored[key] = st.get_tensor(key)
+    changed = 0
+    with torch.no_grad():
+        for name, q in model.named_modules():
+            if not isinstance(q, TensorQuantizer) or not q.is_enabled or q.amax is None:
+                continue
+            owner, _, slot = name.rpartition(".")
+            if slot == "input_quantizer" and f"{owner}.input_scale" in stored:
+                amax = stored[f"{owner}.input_scale"].float() * _INPUT_MAX[q.spec.kind]
+            elif slot in ("k_bmm_quantizer", "v_bmm_quantizer"):
+                x = slot[0]
+                amax = stored[f"{owner}.{x}_proj.{x}_scale"].float() * _KV_MAX
+            else:
+                continue
+            amax = amax.to(q.amax.device).reshape(q.amax.shape)
+            changed += int(not torch.equal(amax, q.amax))
+            q.amax = amax
+    return changed
+
+
 def _reload_rows(
     row: dict[str, Any], loaders: dict[str, Any], target: float, windows: Any, prep: dict[str, Any], args: Any
 ) -> None:
@@ -275,6 +311,9 @@ def roundtrip(row: dict[str, Any], model: Any, prep: dict[str, Any], args: Any, 
         prep,
         args,
     )
+    changed = recovered_amax(model, out)
+    m = peer.measure(model, windows, prep["ref_dir"], args.batch_size)["ppl"]
+    row["fake_recovered_amax_ppl"] = {"ppl": m, "rel_ppl_vs_fake": m / full - 1, "changed_amax": changed}
     if row["kv"] == "none":  # a KV-cache row's weights are those of the row without KV cache
         disabled = weight_only(model)
         target = peer.measure(model, windows, prep["ref_dir"], args.batch_size)["ppl"]

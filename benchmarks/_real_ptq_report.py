@@ -56,12 +56,45 @@ def _errors(result: dict[str, Any]) -> list[str]:
             for key in ("error", "export_error"):
                 if r.get(key):
                     lines.append(f"{lib} {r['name']} ({key.replace('_', ' ')}): {r[key]}")
-            for key in ("dequantized", "compressed", "exported"):
+            for key in ("dequantized", "compressed", "dequantized_act", "compressed_act", "exported"):
                 if isinstance(r.get(key), dict) and r[key].get("error"):
                     lines.append(f"{lib} {r['name']} ({key} reload): {r[key]['error']}")
     for k, v in result["peers"].items():
         if v.get("error"):
             lines.append(f"{k} worker: {v['error']}")
+    return lines
+
+
+def _activations_roundtrip(result: dict[str, Any]) -> list[str]:
+    """The table of the exports reloaded with ``activations="fake"`` against the full fake-quant model."""
+    rows = [r for r in result["ours"] if "dequantized_act" in r or "compressed_act" in r]
+    if not rows:
+        return []
+    n = rows[0].get("full_fake_ppl", {}).get("windows", "—")
+    lines = [
+        "",
+        "Export round trip with activations (ours): test perplexity of the export reloaded with each layer's "
+        "input (and the KV cache) fake-quantized from the stored scales (`load_hf_checkpoint(dir, "
+        'activations="fake")`, dequantized and `compress=True`), relative to the full fake-quant model, '
+        f"on the first {n} test windows (goal < {ROUNDTRIP_GOAL:g}); last column: the fake-quant model "
+        "itself with its static activation amax replaced by the one the reload recovers (stored scale * "
+        "max, within an ulp), and how many changed.",
+        "",
+        "| row | quant_algo | KV cache | full fake ppl | dequantized + act. ppl | rel. diff "
+        "| compressed + act. ppl | rel. diff | fake, recovered amax: rel. diff (amax changed) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        d, c = row.get("dequantized_act") or {}, row.get("compressed_act") or {}
+        rec = row.get("fake_recovered_amax_ppl") or {}
+        dppl = "error" if d.get("error") else _f(d.get("ppl"), ".4f")
+        cppl = "error" if c.get("error") else _f(c.get("ppl"), ".4f")
+        lines.append(
+            f"| {row['name']} | {row.get('quant_algo', '—')} | {row.get('kv_cache_quant_algo') or '—'} | "
+            f"{_f((row.get('full_fake_ppl') or {}).get('ppl'), '.4f')} | {dppl} | "
+            f"{_f(d.get('rel_ppl_vs_fake'), '.1e')} | {cppl} | {_f(c.get('rel_ppl_vs_fake'), '.1e')} | "
+            f"{_f(rec.get('rel_ppl_vs_fake'), '.1e')} ({rec.get('changed_amax', '—')}) |"
+        )
     return lines
 
 
@@ -135,6 +168,7 @@ def markdown(result: dict[str, Any]) -> str:
                 f"{_f(d.get('rel_ppl_vs_fake'), '.1e')} | {cppl} | "
                 + f"{_f(c.get('rel_ppl_vs_fake'), '.1e')} | {head_s} |"
             )
+    lines += _activations_roundtrip(result)
     tao = result["peers"].get("torchao", {}).get("rows", [])
     if tao:
         lines += ["", "torchao `quantize_` (every linear but `lm_head`):", ""]

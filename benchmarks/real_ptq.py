@@ -20,11 +20,13 @@ Rows:
   (``nvfp4+fp8kv`` ...). After calibration the shared scales are unified as the export does first (q/k/v,
   gate/up: ``unify_shared_scales``), so the measured fake-quant model is the one exported. Then
   (``--roundtrip``) the export (``export_hf_checkpoint``; unquantized tensors in float32, as the model) is
-  reloaded dequantized (``AutoModelForCausalLM.from_pretrained``) and packed (``load_hf_checkpoint(dir,
-  compress=True)``), each measured on the first ``--roundtrip-windows`` test windows against the fake-quant
-  model with only its weight quantizers enabled (a reload computes with dense activations: the export keeps
-  ``input_scale`` for the engine); the row records how the export wrote the tied ``lm_head``. KV-cache rows
-  are exported (size, ``kv_cache_quant_algo``) but not reloaded: their weights are their base row's.
+  reloaded with its activation and KV-cache quantization rebuilt from the stored scales
+  (``load_hf_checkpoint(dir, activations="fake")``, dequantized and ``compress=True``), each measured on the
+  first ``--roundtrip-windows`` test windows against the full fake-quant model; then (rows without KV cache,
+  whose weights are their base row's) reloaded with dense activations, dequantized
+  (``AutoModelForCausalLM.from_pretrained``) and packed (``load_hf_checkpoint(dir, compress=True)``), against
+  the fake-quant model with only its weight quantizers enabled; the row records how the export wrote the
+  tied ``lm_head``. ``--formats`` and ``--kv-rows`` choose the rows (``--kv-rows ''``: none).
 * nvidia-modelopt (``--reference-python``, default ``$MODELOPT_REFERENCE_PYTHON``): the same preset names
   (``update_quant_cfg_with_kv_cache_quant`` for KV), calibrated on the same batches, measured fake-quantized;
   then measured again after ``requantize_resmooth_fused_llm_layers``, the in-place step its
@@ -213,10 +215,70 @@ def weight_only(model: Any) -> int:
     return n
 
 
+def recovered_amax(model: Any, export_dir: Path) -> int:
+    """Give the fake-quant model's static input and KV-cache quantizers the amax a reload recovers from the
+    export (``stored scale * max``, within an ulp of the calibrated one), in place; returns how many amax
+    changed. The model then differs from the reload with ``activations="fake"`` only by the weights'
+    dequantization (bit-exact or within a few ulp)."""
+    import torch
+    from safetensors import safe_open
+
+    from modelopt_lite.export.load_activations import _INPUT_MAX, _KV_MAX
+    from modelopt_lite.nn import TensorQuantizer
+
+    stored: dict[str, torch.Tensor] = {}
+    for f in Path(export_dir).glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            for key in st.keys():
+                if key.endswith(("input_scale", "k_scale", "v_scale")):
+                    stored[key] = st.get_tensor(key)
+    changed = 0
+    with torch.no_grad():
+        for name, q in model.named_modules():
+            if not isinstance(q, TensorQuantizer) or not q.is_enabled or q.amax is None:
+                continue
+            owner, _, slot = name.rpartition(".")
+            if slot == "input_quantizer" and f"{owner}.input_scale" in stored:
+                amax = stored[f"{owner}.input_scale"].float() * _INPUT_MAX[q.spec.kind]
+            elif slot in ("k_bmm_quantizer", "v_bmm_quantizer"):
+                x = slot[0]
+                amax = stored[f"{owner}.{x}_proj.{x}_scale"].float() * _KV_MAX
+            else:
+                continue
+            amax = amax.to(q.amax.device).reshape(q.amax.shape)
+            changed += int(not torch.equal(amax, q.amax))
+            q.amax = amax
+    return changed
+
+
+def _reload_rows(
+    row: dict[str, Any], loaders: dict[str, Any], target: float, windows: Any, prep: dict[str, Any], args: Any
+) -> None:
+    """Load each of ``loaders`` (``{row key: loader}``), measure it on ``windows`` and record its perplexity
+    relative to ``target`` in ``row[key]`` (an error recorded instead)."""
+    for kind, load in loaders.items():
+        try:
+            reloaded = load().eval()
+            if kind == "dequantized":
+                row["lm_head"] = lm_head_report(prep["export_dir"], reloaded)
+            m = peer.measure(reloaded, windows, prep["ref_dir"], args.batch_size)
+            row[kind] = {
+                "ppl": m["ppl"],
+                "kl": m["kl"],
+                "top1": m["top1"],
+                "rel_ppl_vs_fake": m["ppl"] / target - 1,
+            }
+            del reloaded
+        except Exception as err:  # recorded in the row
+            row[kind] = {"error": peer.error_text(err)}
+
+
 def roundtrip(row: dict[str, Any], model: Any, prep: dict[str, Any], args: Any, out: Path) -> None:
-    """Export ``model``; unless it is a KV-cache row, reload it dequantized and packed and measure both on the
-    first ``--roundtrip-windows`` windows against the fake-quant model with only its weight quantizers
-    enabled (a reload computes with dense activations; errors recorded per stage)."""
+    """Export ``model``; reload it with its activation (and KV-cache) quantization rebuilt from the stored
+    scales (``load_hf_checkpoint(dir, activations="fake")``, dequantized and packed) and measure both on the
+    first ``--roundtrip-windows`` windows against the full fake-quant model; unless it is a KV-cache row,
+    also reload it with dense activations, dequantized and packed, against the fake-quant model with only its
+    weight quantizers enabled (errors recorded per stage)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -232,32 +294,39 @@ def roundtrip(row: dict[str, Any], model: Any, prep: dict[str, Any], args: Any, 
     except Exception as err:  # recorded in the row
         row["export_error"] = peer.error_text(err)
         return
-    if row["kv"] != "none":  # the weights are those of the row without KV cache
-        shutil.rmtree(out, ignore_errors=True)
-        return
     windows = prep["test"][: args.roundtrip_windows]
-    disabled = weight_only(model)
-    target = peer.measure(model, windows, prep["ref_dir"], args.batch_size)["ppl"]
-    row["weight_only_fake_ppl"] = {"ppl": target, "windows": len(windows), "disabled_quantizers": disabled}
-    loaders = {
-        "dequantized": lambda: AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32),
-        "compressed": lambda: load_hf_checkpoint(out, torch.float32, compress=True),
-    }
-    for kind, load in loaders.items():
-        try:
-            reloaded = load().eval()
-            if kind == "dequantized":
-                row["lm_head"] = lm_head_report(out, reloaded)
-            m = peer.measure(reloaded, windows, prep["ref_dir"], args.batch_size)
-            row[kind] = {
-                "ppl": m["ppl"],
-                "kl": m["kl"],
-                "top1": m["top1"],
-                "rel_ppl_vs_fake": m["ppl"] / target - 1,
-            }
-            del reloaded
-        except Exception as err:  # recorded in the row
-            row[kind] = {"error": peer.error_text(err)}
+    prep = {**prep, "export_dir": out}
+    full = peer.measure(model, windows, prep["ref_dir"], args.batch_size)["ppl"]
+    row["full_fake_ppl"] = {"ppl": full, "windows": len(windows)}
+    _reload_rows(
+        row,
+        {
+            "dequantized_act": lambda: load_hf_checkpoint(out, torch.float32, activations="fake"),
+            "compressed_act": lambda: load_hf_checkpoint(
+                out, torch.float32, compress=True, activations="fake"
+            ),
+        },
+        full,
+        windows,
+        prep,
+        args,
+    )
+    changed = recovered_amax(model, out)
+    m = peer.measure(model, windows, prep["ref_dir"], args.batch_size)["ppl"]
+    row["fake_recovered_amax_ppl"] = {"ppl": m, "rel_ppl_vs_fake": m / full - 1, "changed_amax": changed}
+    if row["kv"] == "none":  # a KV-cache row's weights are those of the row without KV cache
+        disabled = weight_only(model)
+        target = peer.measure(model, windows, prep["ref_dir"], args.batch_size)["ppl"]
+        row["weight_only_fake_ppl"] = {
+            "ppl": target,
+            "windows": len(windows),
+            "disabled_quantizers": disabled,
+        }
+        loaders = {
+            "dequantized": lambda: AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32),
+            "compressed": lambda: load_hf_checkpoint(out, torch.float32, compress=True),
+        }
+        _reload_rows(row, loaders, target, windows, prep, args)
     shutil.rmtree(out, ignore_errors=True)
 
 

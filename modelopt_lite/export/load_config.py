@@ -1,5 +1,6 @@
 """``ModeloptExportConfig``: the ``quantization_config`` of an exported checkpoint as transformers holds it
-(the fields engines read, and the loading options ``dequantize`` / ``int8_gemm`` of :mod:`.loader`)."""
+(the fields engines read, and the loading options ``dequantize`` / ``int8_gemm`` / ``activations`` of
+:mod:`.loader`)."""
 
 from __future__ import annotations
 
@@ -34,10 +35,13 @@ class ModeloptExportConfig(QuantizationConfigMixin):
         producer: dict[str, Any] | None = None,
         dequantize: bool = True,
         int8_gemm: bool | None = False,
+        activations: str = "dense",
         **kwargs: Any,
     ):
         """``dequantize=False`` keeps the linear layers' weights packed (see the module docstring);
-        ``int8_gemm``: whether W8A8 layers kept packed run torchao's int8 GEMM (``None``: where fast)."""
+        ``int8_gemm``: whether W8A8 layers kept packed run torchao's int8 GEMM (``None``: where fast);
+        ``activations="fake"``: the layers' inputs (and the KV cache) fake-quantized from the stored scales
+        (:mod:`.load_activations`), ``"dense"``: not."""
         self.quant_method = QUANT_METHOD  # type: ignore[assignment]
         self.quant_algo = quant_algo
         self.config_groups = config_groups or {}
@@ -49,6 +53,7 @@ class ModeloptExportConfig(QuantizationConfigMixin):
         self.extra = {k: v for k, v in kwargs.items() if k != "quant_method"}
         self.dequantize = dequantize
         self.int8_gemm = int8_gemm
+        self.activations = activations
         self.post_init()
 
     def post_init(self) -> None:
@@ -56,6 +61,12 @@ class ModeloptExportConfig(QuantizationConfigMixin):
             raise ValueError(
                 "quantization_config (quant_method 'modelopt'): dequantize must be a bool and int8_gemm a "
                 f"bool or None (got dequantize={self.dequantize!r}, int8_gemm={self.int8_gemm!r})"
+            )
+        if self.activations not in ("dense", "fake"):
+            raise ValueError(
+                "quantization_config (quant_method 'modelopt'): activations must be 'dense' (stored "
+                "activation scales unused) or 'fake' (inputs and KV cache fake-quantized from them), got "
+                f"{self.activations!r}"
             )
         if not isinstance(self.quant_algo, str):
             raise ValueError(

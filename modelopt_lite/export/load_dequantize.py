@@ -85,6 +85,8 @@ class ModeloptDequantize(ConversionOps):
                 continue
             weights = value if isinstance(value, list) else [value]
             parts = {c: input_dict.get(stem + c) for c in _COMPANIONS}
+            if config.activations == "fake":  # the input quantizer applies it (load_activations)
+                parts["pre_quant_scale"] = None
             dense = []
             for i, w in enumerate(weights):
                 tensors = {"weight": w}

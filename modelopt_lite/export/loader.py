@@ -6,7 +6,10 @@ API (``register_quantization_config`` / ``register_quantizer``), so ``AutoModelF
 scales, an unfolded ``pre_quant_scale``) become one dense weight in the loading op that transformers runs
 before its own conversions (so per-expert tensors are dequantized before they are merged into fused experts).
 ``input_scale`` / ``k_scale`` / ``v_scale`` (and an affine KV cache's ``k_bias`` / ``v_bias``) are dropped:
-the loaded model computes with dense activations.
+the loaded model computes with dense activations, unless ``activations="fake"`` in the quantization config
+(:func:`load_hf_checkpoint` ``activations="fake"``): then every quantized layer's input and the KV cache are
+fake-quantized as the format prescribes, from those stored scales, with either load (:mod:`.load_activations`;
+a ``pre_quant_scale`` is then not folded into the weight but applied by the input quantizer).
 
 With ``dequantize=False`` in the quantization config (transformers' name for this loading option;
 :func:`load_hf_checkpoint` ``compress=True`` sets it) the linear layers keep the stored tensors packed: each
@@ -29,7 +32,7 @@ full precision.
 
 This module holds the transformers quantizer, its registration and :func:`load_hf_checkpoint`; the
 quantization config is in :mod:`.load_config`, the dequantized load in :mod:`.load_dequantize`, the compressed
-load (``dequantize=False``) in :mod:`.load_packed`.
+load (``dequantize=False``) in :mod:`.load_packed`, the activation quantization in :mod:`.load_activations`.
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ from ..quantization.compress import (
     use_int8_gemm,
 )
 from .hf_config import QUANT_METHOD, validate_hf_quant_config
+from .load_activations import ACTIVATIONS, plan_activations, quantize_activations
 from .load_config import ModeloptExportConfig
 from .load_dequantize import _COMPANIONS, ModeloptDequantize, dequantize_layer
 from .load_packed import ModeloptKeepPacked, ModeloptKeepPackedExperts, PackedLoading
@@ -126,6 +130,7 @@ class ModeloptExportQuantizer(PackedLoading, HfQuantizer):
         self._covered: set[str] = set()  # per-expert layers kept packed in compressed experts
         #: compressed experts projection (``<experts>.<proj>``) -> (checkpoint halves, interleaved rows)
         self._packed_experts: dict[str, tuple[tuple[str, ...], bool]] = {}
+        self._activations: dict[str, Any] | None = None  # activations="fake": plan_activations' plan
 
     def get_load_operations(self) -> dict:
         return {"dequantize": ModeloptDequantize, "deserialize": ModeloptKeepPacked}
@@ -164,13 +169,22 @@ class ModeloptExportQuantizer(PackedLoading, HfQuantizer):
                 f"the checkpoint's quant_algo {sorted(unknown)} cannot be dequantized by modelopt_lite "
                 f"(supported: {sorted(PACKERS)})"
             )
+        files = kwargs.get("checkpoint_files") or []
         if not self.quantization_config.dequantize:
             require_torchao()
-            self._prepare_packed(model, kwargs.get("checkpoint_files") or [])
+            self._prepare_packed(model, files)
+        if self.quantization_config.activations == "fake":
+            self._activations = plan_activations(model, self.quantization_config, files)
 
     def _process_model_after_weight_loading(self, model: nn.Module, **kwargs: Any) -> nn.Module:
-        if self.quantization_config.dequantize:
-            return model
+        if not self.quantization_config.dequantize:
+            self._report_packed(model)
+        if self._activations is not None:
+            quantize_activations(model, self._activations)
+        return model
+
+    def _report_packed(self, model: nn.Module) -> None:
+        """``dequantize=False``: refuse experts left unloaded; one INFO line per format and kind of layer."""
         int8_gemm = self.quantization_config.int8_gemm
         for name, module in model.named_modules():
             if isinstance(module, CompressedExperts):
@@ -202,12 +216,17 @@ class ModeloptExportQuantizer(PackedLoading, HfQuantizer):
                         if int8_gemm is None and not fast_int8_gemm(next(iter(model.buffers())).device)
                         else "; int8_gemm=True runs the int8 GEMM on quantized activations"
                     )
+                acts = (
+                    "inputs fake-quantized from the stored scales, activations='fake'"
+                    if self.quantization_config.activations == "fake"
+                    else f"dense activations, as the dequantized load{why}"
+                )
                 logger.info(
                     "from_pretrained(dequantize=False): %d %s layer(s) keep packed weights and dequantize "
-                    "them on the fly (dense activations, as the dequantized load%s)",
+                    "them on the fly (%s)",
                     rest,
                     algo,
-                    why,
+                    acts,
                 )
             experts = sum(1 for n, a in layers.items() if a == algo and n not in linear)
             if experts:
@@ -231,7 +250,6 @@ class ModeloptExportQuantizer(PackedLoading, HfQuantizer):
                 algo,
                 ", ".join(names[:4]) + (" ..." if len(names) > 4 else ""),
             )
-        return model
 
     def is_serializable(self) -> bool:
         return False
@@ -282,6 +300,7 @@ def load_hf_checkpoint(
     *,
     compress: bool = False,
     int8_gemm: bool | None = False,
+    activations: str = "dense",
     **kwargs: Any,
 ) -> nn.Module:
     """``AutoModelForCausalLM.from_pretrained(export_dir, dtype=dtype)`` after checking
@@ -289,7 +308,16 @@ def load_hf_checkpoint(
     ``compress=True`` the linear layers keep them packed, as ``mtq.compress`` does (the quantization config's
     ``dequantize=False``; needs the torchao extra), and ``int8_gemm`` chooses whether W8A8 layers run
     torchao's int8 GEMM on activations quantized with the stored ``input_scale`` (``None``: where it is
-    fast; ``False``, the default: dense activations, what the dequantized load computes)."""
+    fast; ``False``, the default: dense activations, what the dequantized load computes).
+
+    ``activations="fake"`` (with either load) gives every quantized linear layer back the activation fake
+    quantization of its format, from the checkpoint's ``input_scale`` (FP8 and W4A8_AWQ ``amax = input_scale
+    * 448``, W8A8 ``* 127``, NVFP4's global amax ``* 6 * 448`` with dynamic 16-element blocks; MXFP8 and FP8
+    per token need no stored scale), a ``pre_quant_scale`` not folded into a norm on its input, and the KV
+    cache its fake quantization from ``k_scale`` / ``v_scale``: the model computes what the exported
+    fake-quant model computed, up to the ulp an amax may lose through ``amax / max * max``. A format whose
+    activation quantization the checkpoint does not determine raises, naming it. ``"dense"`` (the default):
+    the stored activation scales are not used (see :mod:`.load_activations`)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf_cfg = read_hf_quant_config(export_dir)
@@ -303,13 +331,21 @@ def load_hf_checkpoint(
             f"{export_dir}: config.json says quant_algo {qcfg.get('quant_algo')!r} but hf_quant_config.json "
             f"says {hf_cfg['quantization']['quant_algo']!r}"
         )
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"load_hf_checkpoint: activations={activations!r} (allowed: {list(ACTIVATIONS)})")
+    if not compress and int8_gemm is not False:
+        raise ValueError("load_hf_checkpoint: int8_gemm applies to compress=True only")
+    options: dict[str, Any] = {"activations": activations} if activations != "dense" else {}
     if compress:
         require_torchao()
+        options.update(dequantize=False, int8_gemm=int8_gemm)
+    if options:
         if "config" in kwargs:
-            raise ValueError("load_hf_checkpoint(compress=True) sets the model config; do not pass config=")
+            raise ValueError(
+                f"load_hf_checkpoint({', '.join(f'{k}={v!r}' for k, v in options.items())}) sets the model "
+                "config's quantization_config; do not pass config="
+            )
         config = AutoConfig.from_pretrained(export_dir)
-        config.quantization_config = {**qcfg, "dequantize": False, "int8_gemm": int8_gemm}
+        config.quantization_config = {**qcfg, **options}
         kwargs["config"] = config
-    elif int8_gemm is not False:
-        raise ValueError("load_hf_checkpoint: int8_gemm applies to compress=True only")
     return AutoModelForCausalLM.from_pretrained(export_dir, dtype=dtype, **kwargs)

@@ -57,8 +57,9 @@ def test_measure_matches_the_evaluation_protocol(tmp_path: Path) -> None:
 
 
 def test_quick_run_on_a_tiny_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The quick mode's rows (fp8, int4_awq) are measured, exported and reloaded: each reload within 1e-3 of
-    the weight-only fake-quant perplexity on the same (first) window, the tied ``lm_head`` reported; JSON and
+    """The quick mode's rows (fp8, int4_awq) are measured, exported and reloaded: each dense-activation reload
+    within 1e-3 of the weight-only fake-quant perplexity on the same (first) window, each reload with
+    ``activations="fake"`` within 1e-3 of the full fake-quant one, the tied ``lm_head`` reported; JSON and
     markdown written."""
     monkeypatch.delenv("MODELOPT_REFERENCE_PYTHON", raising=False)
     monkeypatch.delenv("TORCHAO_PYTHON", raising=False)
@@ -78,6 +79,8 @@ def test_quick_run_on_a_tiny_model(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         assert 0 < row["top1"] <= 1
         assert row["export_mb"] > 0
         assert abs(row["dequantized"]["rel_ppl_vs_fake"]) < real_ptq.ROUNDTRIP_GOAL
+        for kind in ("dequantized_act", "compressed_act"):  # activations="fake" vs the full fake-quant model
+            assert abs(row[kind]["rel_ppl_vs_fake"]) < real_ptq.ROUNDTRIP_GOAL, (row["name"], row[kind])
         head = row["lm_head"]
         assert head["tie_word_embeddings"] is True
         assert head["reloaded_tied"] is True
@@ -89,6 +92,7 @@ def test_quick_run_on_a_tiny_model(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     md = out_md.read_text()
     assert "| fp8 |" in md
     assert "Export round trip" in md
+    assert "Export round trip with activations" in md
     assert "--quick" in md
 
 

@@ -223,8 +223,9 @@ def recovered_amax(model: Any, export_dir: Path) -> int:
     import torch
     from safetensors import safe_open
 
-    from modelopt_lite.export.load_activations import _INPUT_MAX, _KV_MAX
+    from modelopt_lite.export.load_activations import _KV_MAX
     from modelopt_lite.nn import TensorQuantizer
+    from modelopt_lite.quantization.packers import INPUT_SCALE_BOUND
 
     stored: dict[str, torch.Tensor] = {}
     for f in Path(export_dir).glob("*.safetensors"):
@@ -239,7 +240,7 @@ def recovered_amax(model: Any, export_dir: Path) -> int:
                 continue
             owner, _, slot = name.rpartition(".")
             if slot == "input_quantizer" and f"{owner}.input_scale" in stored:
-                amax = stored[f"{owner}.input_scale"].float() * _INPUT_MAX[q.spec.kind]
+                amax = stored[f"{owner}.input_scale"].float() * INPUT_SCALE_BOUND[q.spec.kind]
             elif slot in ("k_bmm_quantizer", "v_bmm_quantizer"):
                 x = slot[0]
                 amax = stored[f"{owner}.{x}_proj.{x}_scale"].float() * _KV_MAX

@@ -34,6 +34,7 @@ from ..nn import QUANT_MODULES, QuantLinear, TensorQuantizer
 from ..nn.attribute_dict import quantizer_attributes
 from ..nn.kv_attention import QuantAttention, kv_attention_name
 from ..quantization.insertion import use_experts_implementation
+from ..quantization.packers import INPUT_SCALE_BOUND
 from ..quantization.presets import KV_PRESETS, PRESETS
 from .load_packed import _read_tensors, _stored_meta
 
@@ -63,8 +64,6 @@ KV_CACHE_PRESETS = {
     ("NVFP4", False): "NVFP4_KV_CFG",
     ("NVFP4_AFFINE", True): "NVFP4_AFFINE_KV_CFG",
 }
-#: FormatSpec.kind -> the bound the export divides the input amax by (``input_scale = amax / bound``)
-_INPUT_MAX = {"fp8": 448.0, "int": 127.0, "nvfp4": 6.0 * 448.0}
 _KV_MAX = 448.0  # k_scale / v_scale = amax / 448, FP8 and NVFP4 KV caches alike
 
 
@@ -109,7 +108,7 @@ def _input_bound(cfg: dict[str, Any] | None) -> float | None:
     if cfg is None:
         return None
     spec = quantizer_attributes(cfg, True, "input_quantizer").spec()
-    return _INPUT_MAX[spec.kind] if spec.needs_amax else None
+    return INPUT_SCALE_BOUND[spec.kind] if spec.needs_amax else None
 
 
 def _planned_format(algo: str | None, where: str, stems: list[str], stored: dict) -> str:

@@ -39,6 +39,7 @@ from ..distributed import (
 from ..logging import get_logger
 from ..nn import iter_quantizers
 from ..nn.errors import UnsupportedFeatureError
+from ..quantization.packers import INPUT_SCALE_BOUND
 from .hf_config import hf_quant_config, quantization_config
 from .layers import ExportLayer, ExportModule, export_plan, foldable_norms, kv_layers, unify_shared_scales
 from .packers import get_packer, scale_of_amax
@@ -48,7 +49,6 @@ from .verify import verify_export
 __all__ = ["ExportResult", "export_hf_checkpoint", "parse_size"]
 
 logger = get_logger(__name__)
-_INPUT_MAX = {"fp8": 448.0, "int": 127.0, "nvfp4": 6.0 * 448.0}  # by FormatSpec.kind
 
 
 @dataclass
@@ -75,7 +75,7 @@ def _input_scale(layer: ExportLayer) -> torch.Tensor | None:
         return None
     if iq.amax is None:
         raise RuntimeError(f"{iq.name}: no amax to export; calibrate the model with data before exporting it")
-    return scale_of_amax(iq.amax.reshape(()), _INPUT_MAX[iq.spec.kind])
+    return scale_of_amax(iq.amax.reshape(()), INPUT_SCALE_BOUND[iq.spec.kind])
 
 
 def _layer_tensors(layer: ExportLayer, folded: set[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:

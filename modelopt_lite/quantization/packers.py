@@ -80,6 +80,11 @@ def get_packer(quant_algo: str) -> Packer:
     return PACKERS[quant_algo]
 
 
+#: FormatSpec.kind -> the bound a static activation amax is divided by in a checkpoint (``input_scale = amax /
+#: bound``); the export writes it, the reload with activations reads it back
+INPUT_SCALE_BOUND = {"fp8": 448.0, "int": 127.0, "nvfp4": 6.0 * 448.0}
+
+
 def scale_of_amax(amax: torch.Tensor, max_bound: float) -> torch.Tensor:
     """``amax / max_bound`` as a true float32 division (amax <= 2**-24 taken as 1, as FP8 does)."""
     amax = amax.detach().float()

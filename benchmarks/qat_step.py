@@ -1,7 +1,7 @@
 """QAT training-step time through the real trainers: ``QATTrainer`` / plain ``transformers.Trainer``.
 
     OMP_NUM_THREADS=2 python benchmarks/qat_step.py [--steps 5] [--warmup 2] [--rounds 1] [--quick] [--json F]
-        [--malloc both|on|off] [--interleaved [--levers-off]]
+        [--malloc both|on|off] [--interleaved [--levers-off] [--qad [PRESET ...]] [--model smollm2-135m]]
 
 ``--interleaved``: instead of a process per trainer, one process per allocator setting (and round) holds the
 plain ``Trainer`` and a ``QATTrainer`` per preset, and their optimizer steps are taken in turn (plain, FP8,
@@ -12,6 +12,21 @@ applied to the whole process (``malloc_tuned()``) for ``on``. No reference colum
 ``--levers-off`` adds, per preset, a second ``QATTrainer`` whose steps run with the native fake-quant
 kernels and the shared outputs of identical inputs turned off (``set_native_fake_quant(False)``,
 ``TensorQuantizer.share_outputs = False`` around its steps): what the two levers buy, in the same process.
+``--qad PRESET ...`` (interleaved only) adds two kinds of steppers: ``plain+teacher``, the plain ``Trainer``
+step plus, inside the timed step, one ``torch.no_grad()`` forward of a frozen float copy of the model (the
+teacher, full logits) on the same batch -- the cost QAD cannot avoid -- and per preset ``QAD PRESET``, a
+``modelopt_lite.training.QADTrainer`` with that same teacher and ``DistillationArguments()`` as they come
+(KL at temperature 1, no cross-entropy, chunks of 512 tokens), quantized and calibrated like the QAT ones.
+The table then adds ``QAD PRESET / plain+teacher``.
+
+``--model smollm2-135m`` (interleaved only): the real model (``modelopt_lite.models``, its float32
+checkpoint; every stepper and the teacher a deep copy of it) instead of the config model; data: the first
+``4 * (--warmup + --steps)`` consecutive 256-token windows of the corpus' ``fit`` split (real text, the
+windows ``benchmarks/accuracy.py`` trains on, here in order; ``labels`` = ``input_ids``), batches of 4, AdamW lr
+3e-4. Its defaults: ``--configs NVFP4_DEFAULT_CFG FP8_DEFAULT_CFG``, ``--qad NVFP4_DEFAULT_CFG``,
+``--malloc on`` (our trainers' default on CPU); the steppers in turn: plain, plain+teacher, QAT NVFP4, QAT
+FP8, QAD NVFP4. Seven fp32 copies of the 135M model and five AdamW states are held at once: peak RSS
+15.8 GB (measured with ``--steps 1 --warmup 1``).
 
 Model: ``LlamaForCausalLM`` from a config (hidden 256, intermediate 688, 4 layers, 4 heads / 2 KV heads,
 vocab 4096 or ``--vocab``), fp32, ``torch.manual_seed(0)``. Data: ``--warmup + --steps`` batches of 4x128
@@ -80,6 +95,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 
 import _harness as h
 
@@ -87,6 +103,9 @@ CONFIGS = ["FP8_DEFAULT_CFG", "NVFP4_DEFAULT_CFG", "INT4_BLOCKWISE_WEIGHT_ONLY_C
 QUICK_CONFIGS = ["FP8_DEFAULT_CFG", "NVFP4_DEFAULT_CFG"]
 REF_TRAINER = "modelopt.torch.quantization.plugins.transformers_trainer"
 BATCH, SEQ, VOCAB, CALIB_SAMPLES, LR = 4, 128, 4096, 8, 1e-4
+REAL_SEQ, REAL_LR = 256, 3e-4  # --model (a real model): 4 x 256 tokens of the fit split, lr 3e-4
+REAL_CONFIGS, REAL_QAD = ["NVFP4_DEFAULT_CFG", "FP8_DEFAULT_CFG"], ["NVFP4_DEFAULT_CFG"]
+TEACHER, QAD = "plain+teacher", "QAD "  # --qad: the plain step plus a teacher forward; QADTrainer per preset
 MODEL = dict(
     hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
     vocab_size=VOCAB, max_position_embeddings=256,
@@ -237,52 +256,80 @@ def _interleaved(
     malloc: str,
     vocab: int,
     levers_off: bool = False,
+    qad: Sequence[str] = (),
+    model_name: str | None = None,
 ) -> dict:
     """``--interleaved``: the plain ``Trainer`` and a ``QATTrainer`` per preset in one process, their
     optimizer steps taken in turn (plain, each preset, plain, ...), so that a shared machine's load drifts
     over every trainer alike. Each step is the one ``Trainer.train()`` takes: ``training_step`` (ours
     collects garbage first), gradient clipping, ``optimizer.step()``, the scheduler, ``zero_grad`` and the
-    ``on_step_end`` callbacks (ours freezes the collector after its first step). Returns per trainer the
-    wall and CPU seconds (``time.thread_time``: this thread, the only one at ``threads == 1``; else
-    ``process_time``) of each step after ``warmup``, and the loss of every step."""
+    ``on_step_end`` callbacks (ours freezes the collector after its first step). With ``qad`` presets, also
+    ``plain+teacher`` (the plain step plus one no-grad forward of a float teacher on the same batch) and a
+    ``QADTrainer`` per preset (``QAD`` + preset; the same teacher, ``DistillationArguments()``). Returns per
+    trainer the wall and CPU seconds (``time.thread_time``: this thread, the only one at ``threads == 1``;
+    else ``process_time``) of each step after ``warmup``, and the loss of every step."""
     import contextlib
+    import copy
     import tempfile
 
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
     from modelopt_lite.allocator import malloc_tuned
-    from modelopt_lite.training import QATTrainer, QuantizationArguments
+    from modelopt_lite.training import DistillationArguments, QADTrainer, QATTrainer, QuantizationArguments
 
     torch.set_num_threads(threads)
-    gen = torch.Generator().manual_seed(1234)
-    ids = torch.randint(0, vocab, (BATCH * (warmup + steps), SEQ), generator=gen)
+    seq, lr = SEQ, LR
+    if model_name:  # a real model: its fp32 weights, the fit split's windows
+        from modelopt_lite.data import token_stream, windows
+        from modelopt_lite.models import corpus_texts, load_default_model
+
+        base, tokenizer = load_default_model(model_name, train_if_missing=False)
+        seq, lr, n = REAL_SEQ, REAL_LR, BATCH * (warmup + steps)
+        ids = windows(token_stream(tokenizer, corpus_texts("fit")), seq, n, "the fit split")
+        if len(ids) < n:
+            raise ValueError(f"the fit split holds {len(ids)} windows of {seq} tokens, {n} needed")
+        make = lambda: copy.deepcopy(base)  # noqa: E731
+    else:
+
+        def make():
+            torch.manual_seed(0)
+            return LlamaForCausalLM(LlamaConfig(**{**MODEL, "vocab_size": vocab})).float()
+
+        gen = torch.Generator().manual_seed(1234)
+        ids = torch.randint(0, vocab, (BATCH * (warmup + steps), seq), generator=gen)
     data = [{"input_ids": row, "labels": row} for row in ids]
     cpu_clock = time.thread_time if threads == 1 else time.process_time
-    names = ["plain", *configs] + ([c + LEVERS_OFF for c in configs] if levers_off else [])
+    names = ["plain", *([TEACHER] if qad else []), *configs, *(QAD + c for c in qad)]
+    names += [c + LEVERS_OFF for c in configs] if levers_off else []
+    teacher = make().eval().requires_grad_(False) if qad else None  # the float model, shared, frozen
     res: dict = {n: {"times": [], "cpu": [], "loss": []} for n in names}
     with contextlib.ExitStack() as stack:
         out = stack.enter_context(tempfile.TemporaryDirectory(prefix="qat_step_"))
         stack.enter_context(malloc_tuned(malloc == "on"))
         args = TrainingArguments(
-            output_dir=out, max_steps=warmup + steps, per_device_train_batch_size=BATCH, learning_rate=LR,
+            output_dir=out, max_steps=warmup + steps, per_device_train_batch_size=BATCH, learning_rate=lr,
             report_to=[], save_strategy="no", logging_steps=1, use_cpu=True, seed=0, disable_tqdm=True,
             dataloader_num_workers=0,
         )  # fmt: skip
         trainers = {}
         for name in names:
-            torch.manual_seed(0)
-            model = LlamaForCausalLM(LlamaConfig(**{**MODEL, "vocab_size": vocab})).float()
-            if name == "plain":
+            model = make()
+            if name in ("plain", TEACHER):
                 trainer = Trainer(model=model, args=args, train_dataset=data)
             else:
                 quant = QuantizationArguments(
-                    recipe=name.removesuffix(LEVERS_OFF),
+                    recipe=name.removesuffix(LEVERS_OFF).removeprefix(QAD),
                     calib_size=CALIB_SAMPLES,
                     calib_batch_size=BATCH,
                     malloc_tuning="off",
                 )  # the allocator setting is the whole process's here
-                trainer = QATTrainer(model=model, args=args, train_dataset=data, quant_args=quant)
+                common = dict(model=model, args=args, train_dataset=data, quant_args=quant)
+                if name.startswith(QAD):
+                    distill = DistillationArguments()  # KL at temperature 1, chunked
+                    trainer = QADTrainer(**common, distill_args=distill, teacher_model=teacher)
+                else:
+                    trainer = QATTrainer(**common)
                 trainer.quantize_model()
             trainer.create_optimizer_and_scheduler(num_training_steps=warmup + steps)
             trainer.current_gradient_accumulation_steps = 1  # what train() sets before its steps
@@ -294,6 +341,9 @@ def _interleaved(
                 model, state = trainer.model, trainer.state
                 _levers(not name.endswith(LEVERS_OFF))
                 start, cpu0 = time.perf_counter(), cpu_clock()
+                if name == TEACHER:  # the teacher's forward QAD cannot avoid, on the same batch
+                    with torch.no_grad():
+                        teacher(input_ids=batch["input_ids"])
                 loss = trainer.training_step(model, dict(batch))
                 torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 trainer.optimizer.step()
@@ -326,7 +376,10 @@ def _main_interleaved(args, configs: list[str], mallocs: list[str]) -> None:
             cmd += ["--malloc", malloc, "--vocab", str(args.vocab)] + (
                 ["--levers-off"] if args.levers_off else []
             )
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+            cmd += ["--qad", *args.qad] if args.qad is not None else []  # [] too: no QAD stepper
+            cmd += ["--model", args.model] if args.model else []
+            limit = 7200 if args.model else 1800
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=limit)
             found = h.parse_results(proc.stdout)
             res = found[-1] if found else h.crash_error(proc)
             if "error" in res:
@@ -337,6 +390,9 @@ def _main_interleaved(args, configs: list[str], mallocs: list[str]) -> None:
                 slot["times"] += r["times"]
                 slot["cpu"] += r["cpu"]
     n = args.steps * args.rounds
+    if args.model:
+        what = f"{args.model}, fp32, batch {BATCH}x{REAL_SEQ} of the fit split, lr {REAL_LR}"
+        print(f"\n{what}; threads {args.threads}; {args.warmup} warm-up step(s)")
     print(
         f"\n### Interleaved in one process per setting: median (min) of {n} steps; ratios to the plain "
         "`Trainer` of the same processes (medians (mins))\n"
@@ -351,11 +407,21 @@ def _main_interleaved(args, configs: list[str], mallocs: list[str]) -> None:
                 m = h.time_stats(r[k])
                 ratio = f"{m['median_s'] / base[k]['median_s']:.2f}x ({m['min_s'] / base[k]['min_s']:.2f}x)"
                 cells += [h.fmt_median_min(m), ratio]
-            label = "plain `Trainer`" if name == "plain" else f"ours {name}"
-            print(f"| {label} | {malloc} | " + " | ".join(cells) + " |")
+            label = {"plain": "plain `Trainer`", TEACHER: "plain `Trainer` + teacher forward"}.get(name)
+            print(f"| {label or f'ours {name}'} | {malloc} | " + " | ".join(cells) + " |")
+    for malloc, rows in pooled.items():  # what QAD costs beyond the teacher forward it cannot avoid
+        if TEACHER in rows:
+            base = {k: h.time_stats(rows[TEACHER][k]) for k in ("times", "cpu")}
+            for name in (n for n in rows if n.startswith(QAD)):
+                m = {k: h.time_stats(rows[name][k]) for k in ("times", "cpu")}
+                print(
+                    f"\n{name} / plain+teacher ({malloc}): wall {_ratio(m['times'], base['times'])}, CPU "
+                    f"{_ratio(m['cpu'], base['cpu'])} (medians (mins))"
+                )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"interleaved": True, "threads": args.threads, "results": pooled}, f, indent=1)
+            meta = {"interleaved": True, "threads": args.threads, "model": args.model or "config Llama"}
+            json.dump({**meta, "results": pooled}, f, indent=1)
 
 
 # ---------------------------------------------------------------------------------------------- parent
@@ -507,9 +573,17 @@ def main() -> None:
     )
     parser.add_argument("--no-reference", action="store_true", help="skip nvidia-modelopt")
     parser.add_argument(
-        "--malloc", choices=["both", "on", "off"], default="both",
+        "--malloc", choices=["both", "on", "off"],
         help="glibc allocator setting of plain / ours: off (glibc as it comes), on (the trainers' "
-        "malloc_tuning), both (default)",
+        "malloc_tuning), both (default; on with --model)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--model", help="with --interleaved: a real model by name (smollm2-135m) instead of the config model"
+    )
+    parser.add_argument(
+        "--qad", nargs="*",
+        help=f"with --interleaved: presets of QADTrainer steppers, adding the plain step + teacher forward "
+        f"(default with --model: {REAL_QAD})",
     )  # fmt: skip
     parser.add_argument(
         "--vocab", type=int, default=VOCAB,
@@ -527,12 +601,20 @@ def main() -> None:
     parser.add_argument("--child", choices=["plain", "ours", "ref", "interleaved"], help=argparse.SUPPRESS)
     parser.add_argument("--config", default="none", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if (args.model or args.qad is not None) and not args.interleaved and args.child != "interleaved":
+        parser.error("--model and --qad need --interleaved")
+    if args.model:
+        args.malloc = args.malloc or "on"
+        args.qad = REAL_QAD if args.qad is None else args.qad
+        args.configs = args.configs or REAL_CONFIGS
+    args.malloc = args.malloc or "both"
     if args.child == "interleaved":
         a = args
         configs = a.configs or CONFIGS
-        h.run_and_emit(
-            lambda: _interleaved(configs, a.threads, a.warmup, a.steps, a.malloc, a.vocab, a.levers_off), 300
+        run = lambda: _interleaved(  # noqa: E731
+            configs, a.threads, a.warmup, a.steps, a.malloc, a.vocab, a.levers_off, a.qad or (), a.model
         )
+        h.run_and_emit(run, 300)
         return
     if args.child:
         a = args

@@ -43,3 +43,45 @@ def test_levers_off_trains_the_same_bits_with_the_eager_formulas():
     assert res[off]["loss"] == res["NVFP4_DEFAULT_CFG"]["loss"]
     assert native_fake_quant_enabled()
     assert TensorQuantizer.share_outputs
+
+
+def test_qad_steppers_add_the_teacher_forward_and_distill_from_it():
+    """``--qad`` (issue 30): ``plain+teacher`` takes the plain step plus one no-grad forward of the frozen
+    float teacher (its losses equal the plain trainer's bit for bit: the teacher changes nothing in the
+    student), and ``QAD <preset>`` is a ``QADTrainer`` distilling from that same teacher."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    teacher_forwards = []
+
+    def count(module, args, output):
+        if isinstance(module, LlamaForCausalLM) and not any(p.requires_grad for p in module.parameters()):
+            teacher_forwards.append(torch.is_grad_enabled())
+
+    handle = torch.nn.modules.module.register_module_forward_hook(count)
+    try:
+        out = qat_step._interleaved(
+            ["FP8_DEFAULT_CFG"],
+            threads=1,
+            warmup=1,
+            steps=2,
+            malloc="off",
+            vocab=128,
+            qad=["FP8_DEFAULT_CFG"],
+        )
+    finally:
+        handle.remove()
+    res = out["results"]
+    qad = qat_step.QAD + "FP8_DEFAULT_CFG"
+    assert list(res) == ["plain", qat_step.TEACHER, "FP8_DEFAULT_CFG", qad]
+    for r in res.values():
+        assert len(r["times"]) == 2
+        assert len(r["cpu"]) == 2
+        assert all(math.isfinite(v) for v in r["loss"])
+    assert res[qat_step.TEACHER]["loss"] == res["plain"]["loss"]
+    # one teacher forward per step for plain+teacher and one for QAD, all without autograd
+    assert teacher_forwards == [False] * (2 * 3)
+    # QAD's loss is the KL to the teacher (small: the student starts as the teacher, fake quantized), not
+    # the cross-entropy on the labels that QAT minimises
+    assert 0 < res[qad]["loss"][0] < 0.1 * res["FP8_DEFAULT_CFG"]["loss"][0]
+    assert res[qad]["loss"][0] != res[qad]["loss"][-1]

@@ -130,8 +130,10 @@ def run_peer(peer: str, python: str, spec_path: str, threads: int) -> dict[str, 
     return results[-1] if results else {"error": f"worker exited {proc.returncode} without a result"}
 
 
-def measure_ours(kind: str, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """``accuracy.measure`` on the formats' PTQ rows, their ``qat`` / ``qad`` rows and the ``ft`` control."""
+def accuracy_args(kind: str, args: argparse.Namespace) -> argparse.Namespace:
+    """``accuracy.py``'s arguments for our rows and for the data every row shares: the formats' PTQ rows,
+    their ``qat`` / ``qad`` rows, the ``ft`` control; a real model's evaluation windows as ``accuracy.py``
+    cuts them (512 tokens), no off-distribution rows (the peers measure validation and test only)."""
     ptq = [OUR_PTQ[f] for f in args.formats]
     flags = {
         "--models": kind,
@@ -147,8 +149,13 @@ def measure_ours(kind: str, args: argparse.Namespace) -> list[dict[str, Any]]:
         "--rows": ",".join(f"{m} {r}" for r in ptq for m in ("qat", "qad")),
     }
     ns = accuracy.parse_args([str(x) for flag in flags.items() for x in flag])
-    ns.eval_windows = args.eval_windows
-    rows = accuracy.measure(kind, ns)["rows"]
+    ns.eval_windows, ns.offdist_tokens = args.eval_windows, 0
+    return ns
+
+
+def measure_ours(kind: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """``accuracy.measure`` on :func:`accuracy_args`' rows, each row marked with its library and format."""
+    rows = accuracy.measure(kind, accuracy_args(kind, args))["rows"]
     fmt_of = {f"ptq {row}": fmt for fmt, row in OUR_PTQ.items()}
     for row in rows:
         row["library"] = "ours"
@@ -183,7 +190,7 @@ def measure(kind: str, args: argparse.Namespace, work: str) -> dict[str, Any]:
     from modelopt_lite.models import default_model_path
 
     t0 = time.perf_counter()
-    _, _, evals, calib_batches, train_set = accuracy.load_data(kind, args)
+    _, _, evals, calib_batches, train_set = accuracy.load_data(kind, accuracy_args(kind, args))
     data = os.path.join(work, f"{kind}-data.safetensors")
     export_data(data, evals, calib_batches, train_set)
     spec = {

@@ -41,7 +41,7 @@ from .. import quantization as mtq
 from ..data import heldout_split, load_texts, token_stream, windows
 from ..logging import get_logger
 from ..models.real import REAL_MODELS
-from ..quantization.presets import STANDARD_EXCLUSIONS
+from ..quantization.presets import AUTO_QUANTIZE_DISABLED
 from .layers import SUPPORTED, unify_shared_scales
 from .ptq_config import KV_FORMATS, NOT_EXPORTABLE, QFORMATS, auto_quantize_formats, build_config
 
@@ -354,15 +354,6 @@ def _peak_rss() -> str:
         return f"{peak / (1e9 if sys.platform == 'darwin' else 1e6):.2f} GB (resident)"
     except ImportError:  # not POSIX
         return "unknown"
-
-
-#: Layers the search keeps unquantized: the standard exclusions (routers, gates, convolutions, vision towers)
-#: but ``lm_head``, which the reference's ``hf_ptq`` searches too.
-AUTO_QUANTIZE_DISABLED = [
-    r["quantizer_name"]
-    for r in STANDARD_EXCLUSIONS
-    if "parent_class" not in r and r["quantizer_name"] != "*lm_head*"
-]
 
 
 def _auto_quantize(model: Any, args: argparse.Namespace, batches: list[torch.Tensor]) -> None:

@@ -39,10 +39,10 @@ import torch
 from .. import evaluation
 from .. import quantization as mtq
 from ..data import heldout_split, load_texts, token_stream, windows
+from ..export.layers import SUPPORTED, unify_shared_scales
 from ..logging import get_logger
 from ..models.real import REAL_MODELS
 from ..quantization.presets import AUTO_QUANTIZE_DISABLED
-from .layers import SUPPORTED, unify_shared_scales
 from .ptq_config import KV_FORMATS, NOT_EXPORTABLE, QFORMATS, auto_quantize_formats, build_config
 
 __all__ = ["QFORMATS", "auto_quantize_formats", "build_config", "main", "parse_args"]
@@ -223,7 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from . import export_hf_checkpoint
+    from ..export import export_hf_checkpoint
 
     times: dict[str, float] = {}
     clock = time.perf_counter()

@@ -1,8 +1,9 @@
 """The library's import graph: no cycle between any two of its modules, counting every import statement
 (function-level and ``TYPE_CHECKING`` ones too) and a package's ``__init__`` as a module of its own (the
 ``acyclic_siblings`` contract of ``lint-imports`` checks packages against their siblings; this test checks
-the modules themselves, e.g. a module that imports its own package's ``__init__`` back); and the console
-scripts are the command lines of ``modelopt_lite.cli``."""
+the modules themselves, e.g. a module that imports its own package's ``__init__`` back); the console
+scripts are the command lines of ``modelopt_lite.cli``; internal modules that moved are gone from their old
+paths."""
 
 from __future__ import annotations
 
@@ -101,3 +102,23 @@ def test_console_scripts_are_the_command_lines():
         with pytest.raises(SystemExit) as exit_:
             main(["--help"])
         assert exit_.value.code == 0, name
+
+
+@pytest.mark.parametrize(
+    "old",
+    ["modelopt_lite.export.ptq", "modelopt_lite.export.ptq_config", "modelopt_lite.models.cli",
+     "modelopt_lite.export.packers"],
+)  # fmt: skip
+def test_moved_internal_paths_are_gone(old):
+    """Internal modules that moved have no shim at their old path (their public names did not move:
+    ``modelopt_lite.export.PACKERS`` / ``get_packer`` / ``register_packer`` still work)."""
+    with pytest.raises(ModuleNotFoundError, match=old.rpartition(".")[2]):
+        importlib.import_module(old)
+
+
+def test_export_names_the_packers_of_quantization():
+    import modelopt_lite.export as export
+    from modelopt_lite.quantization import packers
+
+    for name in ("PACKERS", "Packer", "get_packer", "register_packer"):
+        assert getattr(export, name) is getattr(packers, name)

@@ -318,7 +318,7 @@ def base_logprobs(model: Any, windows: Any, batch_size: int = 8) -> list[Any]:
 
 def ptq_config(row: str) -> dict[str, Any]:
     import modelopt_lite.quantization as mtq
-    from modelopt_lite.export.ptq import build_config
+    from modelopt_lite.cli.ptq import build_config
 
     if row in ("nvfp4", "nvfp4_rot"):
         return build_config("nvfp4", "fp8")

@@ -103,7 +103,7 @@ def measure(model: Any, tokenizer: Any, spec: Any, args: argparse.Namespace) -> 
     import torch
 
     import modelopt_lite.quantization as mtq
-    from modelopt_lite.export.ptq import build_config
+    from modelopt_lite.cli.ptq import build_config
     from modelopt_lite.models import corpus_texts
     from modelopt_lite.models.trainer import heldout_perplexity, token_stream
 

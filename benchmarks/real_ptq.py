@@ -79,7 +79,7 @@ KV_ROWS = {"nvfp4+fp8kv": ("nvfp4", "fp8"), "nvfp4+nvfp4kv": ("nvfp4", "nvfp4"),
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from modelopt_lite.export.ptq import QFORMATS
+    from modelopt_lite.cli.ptq import QFORMATS
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m", help="a real model of modelopt_lite.models.REAL_MODELS")
@@ -337,8 +337,8 @@ def our_rows(prep: dict[str, Any], args: argparse.Namespace, work: Path, sink: A
     import torch
 
     import modelopt_lite.quantization as mtq
+    from modelopt_lite.cli.ptq import NOT_EXPORTABLE, QFORMATS, build_config
     from modelopt_lite.export.layers import unify_shared_scales
-    from modelopt_lite.export.ptq import NOT_EXPORTABLE, QFORMATS, build_config
 
     rows: list[dict[str, Any]] = []
     batches = list(prep["calib"].split(args.batch_size))
@@ -407,7 +407,7 @@ def peer_spec(prep: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
 
 
 def reference_run(prep: dict[str, Any], args: argparse.Namespace, work: Path, out: dict[str, Any]) -> None:
-    from modelopt_lite.export.ptq import KV_FORMATS, QFORMATS
+    from modelopt_lite.cli.ptq import KV_FORMATS, QFORMATS
 
     rows = [{"name": n, "preset": QFORMATS[q], "kv": KV_FORMATS[kv]} for n, (q, kv) in rows_of(args).items()]
     export_root = str(work / "reference_exports") if args.roundtrip else None

@@ -21,7 +21,7 @@ A format per layer group, searched under a budget of 6 bits per weight among NVF
 The same command is installed as ``modelopt-lite-ptq``; ``--help`` lists every flag.
 """
 
-from modelopt_lite.export.ptq import main
+from modelopt_lite.cli.ptq import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from transformers.core_model_loading import ConversionOps
 
-from .packers import PACKERS, Packer
+from ..quantization.packers import PACKERS, Packer
 
 if TYPE_CHECKING:
     from .load_config import ExportQuantizerView

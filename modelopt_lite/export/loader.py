@@ -72,12 +72,12 @@ from ..quantization.compress import (
     require_torchao,
     use_int8_gemm,
 )
+from ..quantization.packers import PACKERS
 from .hf_config import QUANT_METHOD, validate_hf_quant_config
 from .load_activations import ACTIVATIONS, plan_activations, quantize_activations
 from .load_config import ModeloptExportConfig
 from .load_dequantize import _COMPANIONS, ModeloptDequantize, dequantize_layer
 from .load_packed import ModeloptKeepPacked, ModeloptKeepPackedExperts, PackedLoading
-from .packers import PACKERS
 
 __all__ = ["ModeloptExportConfig", "ModeloptExportQuantizer", "dequantize_layer", "load_hf_checkpoint"]
 # (ModeloptDequantize, ModeloptKeepPacked and ModeloptKeepPackedExperts: importable from here, as before)

@@ -14,6 +14,7 @@ from typing import Any
 from .config import QuantizeConfig
 
 __all__ = [
+    "AUTO_QUANTIZE_DISABLED",
     "EXTRA_PRESETS",
     "KV_PRESETS",
     "PRESETS",
@@ -49,6 +50,15 @@ STANDARD_EXCLUSIONS: tuple[dict[str, Any], ...] = tuple(
     [{"quantizer_name": p, "enable": False} for p in _EXCLUDED_PATTERNS]
     + [{"quantizer_name": "*", "parent_class": c, "enable": False} for c in _EXCLUDED_PARENTS]
 )
+
+#: The ``disabled_layers`` of ``mtq.auto_quantize`` in the PTQ command line and ``QATTrainer``: the standard
+#: exclusions (routers, gates, convolutions, vision towers) but ``lm_head``, which the reference's ``hf_ptq``
+#: searches too.
+AUTO_QUANTIZE_DISABLED = [
+    r["quantizer_name"]
+    for r in STANDARD_EXCLUSIONS
+    if "parent_class" not in r and r["quantizer_name"] != "*lm_head*"
+]
 
 
 def _build(rules: list[dict[str, Any]], algorithm: Any, extra: tuple[str, ...] = ()) -> dict[str, Any]:

@@ -30,7 +30,6 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from ..allocator import MallocPolicy
 from ..distributed import all_ranks_succeed, is_sharded, rank, unsharded_class, world_size
-from ..export.ptq import AUTO_QUANTIZE_DISABLED
 from ..export.shards import ShardWriter
 from ..logging import get_logger
 from ..opt.checkpoint import STATE_FILE
@@ -39,6 +38,7 @@ from ..opt.state import modelopt_state, restore_from_modelopt_state
 from ..quantization import auto_quantize, need_calibration, quant_state, quantize
 from ..quantization.compress import compressed_layers
 from ..quantization.config import plain
+from ..quantization.presets import AUTO_QUANTIZE_DISABLED
 from .arguments import QuantizationArguments
 from .calib_data import calibration_samples
 from .callbacks import _AmaxCheckCallback, _GCCallback

@@ -335,7 +335,7 @@ def test_unsupported_reference_options_raise():
 
 # ------------------------------------------------------------------------------------------------ CLI
 def test_ptq_cli_searches_the_qformat_candidates_and_exports(tmp_path, lib_caplog):
-    from modelopt_lite.export.ptq import main
+    from modelopt_lite.cli.ptq import main
 
     from ._models import word_tokenizer
 

@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 
+from modelopt_lite.cli import default_model
 from modelopt_lite.models import (
     BENCH_DENSE,
     BENCH_MOE,
@@ -18,7 +19,6 @@ from modelopt_lite.models import (
     MOE,
     build_default_model,
     cache_root,
-    cli,
     corpus,
     corpus_texts,
     default_model_path,
@@ -390,11 +390,11 @@ def test_default_model_path_and_load(tiny_specs):
 
 def test_command(tiny_specs, lib_caplog, capsys):
     lib_caplog.set_level("INFO", logger="modelopt_lite")
-    assert cli.main(["--kind", "dense"]) == 0
+    assert default_model.main(["--kind", "dense"]) == 0
     assert str(cache_root() / tiny_specs["dense"].dirname) in lib_caplog.text
     assert "held-out perplexity" in lib_caplog.text
     with pytest.raises(SystemExit) as exit_:
-        cli.main(["--help"])
+        default_model.main(["--help"])
     assert exit_.value.code == 0
     assert "--force" in capsys.readouterr().out
 
@@ -405,7 +405,7 @@ def test_benchmark_kinds_build_load_and_command(tiny_specs, lib_caplog):
     lib_caplog.set_level("INFO", logger="modelopt_lite")
     with pytest.raises(FileNotFoundError, match="--kind bench-moe"):
         default_model_path("bench-moe", train_if_missing=False)
-    assert cli.main(["--kind", "bench"]) == 0
+    assert default_model.main(["--kind", "bench"]) == 0
     for kind in ("bench-dense", "bench-moe"):
         path = default_model_path(kind, train_if_missing=False)
         assert path == cache_root() / tiny_specs[kind].dirname
@@ -423,7 +423,7 @@ def test_benchmark_kinds_build_load_and_command(tiny_specs, lib_caplog):
 
 
 def test_ptq_defaults_to_the_moe_model_and_corpus(tiny_specs, tmp_path, lib_caplog):
-    from modelopt_lite.export.ptq import main
+    from modelopt_lite.cli.ptq import main
 
     lib_caplog.set_level("INFO", logger="modelopt_lite")
     out = tmp_path / "out"
@@ -438,7 +438,7 @@ def test_ptq_defaults_to_the_moe_model_and_corpus(tiny_specs, tmp_path, lib_capl
 
 
 def test_ptq_default_model_flag(tiny_specs, tmp_path, lib_caplog, capsys):
-    from modelopt_lite.export.ptq import main
+    from modelopt_lite.cli.ptq import main
 
     lib_caplog.set_level("INFO", logger="modelopt_lite")
     args = ["--default_model", "dense", "--qformat", "fp8", "--calib_size", "2", "--eval_size", "1"]
@@ -450,7 +450,7 @@ def test_ptq_default_model_flag(tiny_specs, tmp_path, lib_caplog, capsys):
 
 
 def test_ptq_default_corpus_too_small(tiny_specs, lib_caplog):
-    from modelopt_lite.export.ptq import main
+    from modelopt_lite.cli.ptq import main
 
     assert main(["--default_model", "dense", "--eval_size", "100000"]) == 2
     assert "--eval_size = 100000 samples of 32 tokens, but the default corpus' held-out split has" in (

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from modelopt_lite import evaluation
+from modelopt_lite.cli.ptq import main as ptq_main
 from modelopt_lite.data import heldout_split, load_texts, token_stream, windows
-from modelopt_lite.export.ptq import main as ptq_main
 from modelopt_lite.models.trainer import heldout_perplexity
 
 from ._models import tiny_llama, word_tokenizer

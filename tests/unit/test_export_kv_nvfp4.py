@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import modelopt_lite.quantization as mtq
+from modelopt_lite.cli.ptq import parse_args
 from modelopt_lite.export import export_hf_checkpoint, load_hf_checkpoint, read_hf_quant_config
 from modelopt_lite.export.layers import UnsupportedFormatError
-from modelopt_lite.export.ptq import parse_args
 from modelopt_lite.export.verify import ExportVerificationError, verify_export
 from modelopt_lite.nn import QuantLinear
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from modelopt_lite.export.ptq import QFORMATS, build_config, main
+from modelopt_lite.cli.ptq import QFORMATS, build_config, main
 
 from ._export_cases import tensors
 from ._models import tiny_qwen3_moe
@@ -86,8 +86,8 @@ def test_the_figures_are_the_exported_models(checkpoint, tmp_path, lib_caplog):
     from transformers import AutoTokenizer
 
     from modelopt_lite import evaluation
+    from modelopt_lite.cli.ptq import _samples, parse_args
     from modelopt_lite.export import load_hf_checkpoint
-    from modelopt_lite.export.ptq import _samples, parse_args
 
     lib_caplog.set_level("INFO", logger="modelopt_lite")
     out = tmp_path / "out"

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from modelopt_lite import evaluation
-from modelopt_lite.models import REAL_MODELS, cli, default_model_path, real
+from modelopt_lite.cli import default_model
+from modelopt_lite.models import REAL_MODELS, default_model_path, real
 from modelopt_lite.models.real import RealModelSpec, convert_gguf, real_model_path
 
 SMOLLM2 = REAL_MODELS["smollm2-135m"]
@@ -138,7 +139,8 @@ def test_conversion_writes_a_plain_cached_checkpoint_and_reuses_it(smollm2_path,
     monkeypatch.setattr(real, "convert_gguf", lambda *a, **k: pytest.fail("converted again"))
     with lib_caplog.at_level("INFO"):
         assert real_model_path("smollm2-135m") == smollm2_path
-        assert cli.main(["--kind", "smollm2-135m"]) == 0  # the command converts ahead of use, or reuses
+        # the command converts ahead of use, or reuses
+        assert default_model.main(["--kind", "smollm2-135m"]) == 0
     assert "reusing" in lib_caplog.text
     assert f"smollm2-135m ({SMOLLM2.description}): {smollm2_path}" in lib_caplog.text
 
@@ -150,7 +152,7 @@ def test_nvfp4_ptq_command_on_smollm2(smollm2_path, tmp_path, monkeypatch, lib_c
     held-out perplexity rises by a bounded amount (measured +56% with 64 x 512 tokens; a damaged model or
     a wrong scale gives thousands), the float model still answers, and the export is NVFP4 with lm_head
     excluded."""
-    from modelopt_lite.export import ptq
+    from modelopt_lite.cli import ptq
 
     monkeypatch.setenv("MODELOPT_LITE_CACHE", str(smollm2_path.parent.parent))
     out = tmp_path / "nvfp4"

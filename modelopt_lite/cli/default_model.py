@@ -4,7 +4,7 @@
 ``--kind moe --force`` trains the MoE model again and replaces the cached one. The benchmark models
 (``--kind bench-dense``, ``bench-moe``, or ``bench`` for both; about 10 minutes each on one CPU thread) are
 not part of ``all``. ``--kind smollm2-135m`` converts a real model from its package's GGUF file ahead of use
-(see ``real``).
+(see ``modelopt_lite.models.real``).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import json
 from collections.abc import Sequence
 
 from ..logging import get_logger
-from .cache import MARKER, cache_root, default_model_path
-from .real import REAL_MODELS
-from .specs import BENCH_KINDS, KINDS, spec_for
+from ..models.cache import MARKER, cache_root, default_model_path
+from ..models.real import REAL_MODELS
+from ..models.specs import BENCH_KINDS, KINDS, spec_for
 
 __all__ = ["main"]
 

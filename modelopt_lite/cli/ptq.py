@@ -39,10 +39,10 @@ import torch
 from .. import evaluation
 from .. import quantization as mtq
 from ..data import heldout_split, load_texts, token_stream, windows
+from ..export.layers import SUPPORTED, unify_shared_scales
 from ..logging import get_logger
 from ..models.real import REAL_MODELS
-from ..quantization.presets import STANDARD_EXCLUSIONS
-from .layers import SUPPORTED, unify_shared_scales
+from ..quantization.presets import AUTO_QUANTIZE_DISABLED
 from .ptq_config import KV_FORMATS, NOT_EXPORTABLE, QFORMATS, auto_quantize_formats, build_config
 
 __all__ = ["QFORMATS", "auto_quantize_formats", "build_config", "main", "parse_args"]
@@ -223,7 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from . import export_hf_checkpoint
+    from ..export import export_hf_checkpoint
 
     times: dict[str, float] = {}
     clock = time.perf_counter()
@@ -354,15 +354,6 @@ def _peak_rss() -> str:
         return f"{peak / (1e9 if sys.platform == 'darwin' else 1e6):.2f} GB (resident)"
     except ImportError:  # not POSIX
         return "unknown"
-
-
-#: Layers the search keeps unquantized: the standard exclusions (routers, gates, convolutions, vision towers)
-#: but ``lm_head``, which the reference's ``hf_ptq`` searches too.
-AUTO_QUANTIZE_DISABLED = [
-    r["quantizer_name"]
-    for r in STANDARD_EXCLUSIONS
-    if "parent_class" not in r and r["quantizer_name"] != "*lm_head*"
-]
 
 
 def _auto_quantize(model: Any, args: argparse.Namespace, batches: list[torch.Tensor]) -> None:

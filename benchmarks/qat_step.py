@@ -22,8 +22,8 @@ The table then adds ``QAD PRESET / plain+teacher``.
 ``--model smollm2-135m`` (interleaved only): the real model (``modelopt_lite.models``, its float32
 checkpoint; every stepper and the teacher a deep copy of it) instead of the config model; data: the first
 ``4 * (--warmup + --steps)`` consecutive 256-token windows of the corpus' ``fit`` split (real text, the
-windows ``benchmarks/accuracy.py`` trains on, here in order; ``labels`` = ``input_ids``), batches of 4, AdamW lr
-3e-4. Its defaults: ``--configs NVFP4_DEFAULT_CFG FP8_DEFAULT_CFG``, ``--qad NVFP4_DEFAULT_CFG``,
+windows ``benchmarks/accuracy.py`` trains on, here in order; ``labels`` = ``input_ids``), batches of 4,
+AdamW lr 3e-4. Its defaults: ``--configs NVFP4_DEFAULT_CFG FP8_DEFAULT_CFG``, ``--qad NVFP4_DEFAULT_CFG``,
 ``--malloc on`` (our trainers' default on CPU); the steppers in turn: plain, plain+teacher, QAT NVFP4, QAT
 FP8, QAD NVFP4. Seven fp32 copies of the 135M model and five AdamW states are held at once: peak RSS
 15.8 GB (measured with ``--steps 1 --warmup 1``).

@@ -16,7 +16,7 @@ predicted token, top-1 agreement. No process holds more than one batch of log-pr
 
 Rows:
 
-* ours: each ``--qformat`` of ``modelopt_lite.export.ptq.QFORMATS`` (``build_config``), and KV-cache rows
+* ours: each ``--qformat`` of ``modelopt_lite.cli.ptq.QFORMATS`` (``build_config``), and KV-cache rows
   (``nvfp4+fp8kv`` ...). After calibration the shared scales are unified as the export does first (q/k/v,
   gate/up: ``unify_shared_scales``), so the measured fake-quant model is the one exported. Then
   (``--roundtrip``) the export (``export_hf_checkpoint``; unquantized tensors in float32, as the model) is
@@ -360,7 +360,7 @@ def our_rows(prep: dict[str, Any], args: argparse.Namespace, work: Path, sink: A
             if args.roundtrip and qformat not in NOT_EXPORTABLE:
                 roundtrip(row, model, prep, args, work / "ours" / name)
             elif args.roundtrip:
-                row["export_error"] = f"not exportable ({qformat} is in export.ptq.NOT_EXPORTABLE)"
+                row["export_error"] = f"not exportable ({qformat} is in cli.ptq.NOT_EXPORTABLE)"
             del model
         except Exception as err:  # recorded in the row
             row["error"] = peer.error_text(err)

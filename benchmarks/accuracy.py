@@ -342,6 +342,20 @@ def ptq_config(row: str) -> dict[str, Any]:
     return mtq.get_preset(presets[row])
 
 
+def ptq_model(row: str, base: Any, calib_batches: Any) -> Any:
+    """A quantized copy of ``base`` for PTQ ``row``: the ``*_rot`` rows rotate the residual stream first."""
+    import torch
+
+    import modelopt_lite.quantization as mtq
+
+    model = copy.deepcopy(base)
+    if row.endswith("_rot"):
+        mtq.rotate_residual(model)
+    with torch.no_grad():
+        mtq.quantize(model, ptq_config(row), calib_batches)
+    return model
+
+
 def _training_args(
     args: argparse.Namespace, output_dir: str, steps: int, seed: int, lr: float | None = None
 ) -> Any:
@@ -483,9 +497,6 @@ def offdist_windows(model: Any, tokenizer: Any, new_tokens: int, seed: int = 0) 
 
 
 def measure(kind: str, args: argparse.Namespace) -> dict[str, Any]:
-    import torch
-
-    import modelopt_lite.quantization as mtq
 
     t0 = time.perf_counter()
     base, tokenizer, evals, calib_batches, train_set = load_data(kind, args)
@@ -549,12 +560,8 @@ def measure(kind: str, args: argparse.Namespace) -> dict[str, Any]:
     teacher = copy.deepcopy(base)  # QADTrainer freezes its teacher: keep `base` trainable for the control
     ptq: dict[str, tuple[Any, dict[str, Any]]] = {}
     for name in args.ptq:
-        model = copy.deepcopy(base)
         start = time.perf_counter()
-        if name == "nvfp4_rot":
-            mtq.rotate_residual(model)
-        with torch.no_grad():
-            mtq.quantize(model, ptq_config(name), calib_batches)
+        model = ptq_model(name, base, calib_batches)
         row = add(f"ptq {name}", "ptq", model, calib_seconds=round(time.perf_counter() - start, 1))
         ptq[name] = (model, row)
 

@@ -1,0 +1,29 @@
+"""``benchmarks/accuracy.py``: each PTQ row builds the model its name promises."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from ._models import batches, tiny_llama
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import accuracy
+
+
+def test_rotation_rows_rotate_the_residual_stream() -> None:
+    base = tiny_llama(seed=0)
+    calib = batches(n=2)
+    plain = accuracy.ptq_model("nvfp4_nokv", base, calib)
+    ids = calib[0]
+    with torch.no_grad():
+        expected = plain(ids).logits
+    for row in ("nvfp4_rot", "nvfp4_nokv_rot"):
+        rotated = accuracy.ptq_model(row, base, calib)
+        assert hasattr(rotated.config, "modelopt_lite_rotation"), row
+        with torch.no_grad():
+            assert not torch.equal(rotated(ids).logits, expected), row
+    assert not hasattr(base.config, "modelopt_lite_rotation")  # the base model is left as it was

@@ -6,9 +6,9 @@ from .calibrators import Calibrator, HistogramCalibrator, MaxCalibrator, make_ca
 from .kv_attention import QuantAttention
 from .quant_linear import QuantConv1D, QuantLinear
 from .quant_module import QUANT_MODULES, Quantizer, QuantModule, QuantModuleRegistry, iter_quantizers
-from .quantizer_attributes import QuantizerAttributes
-from .sequential_quantizer import SequentialQuantizer
-from .tensor_quantizer import TensorQuantizer
+from .quantizer.attributes import QuantizerAttributes
+from .quantizer.sequential_quantizer import SequentialQuantizer
+from .quantizer.tensor_quantizer import TensorQuantizer
 
 __all__ = [
     "QUANT_MODULES",

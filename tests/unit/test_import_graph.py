@@ -118,7 +118,7 @@ def test_moved_internal_paths_are_gone(old):
 
 def test_export_names_the_packers_of_quantization():
     import modelopt_lite.export as export
-    from modelopt_lite.quantization import packers
+    from modelopt_lite.quantization.compress import packers
 
     for name in ("PACKERS", "Packer", "get_packer", "register_packer"):
         assert getattr(export, name) is getattr(packers, name)

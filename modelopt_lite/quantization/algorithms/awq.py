@@ -33,15 +33,9 @@ from torch import nn
 from ...formats import BlockLayout
 from ...logging import get_logger
 from ...nn import TensorQuantizer
-from ..calibration.calibrate import (
-    ForwardLoop,
-    calibration_mode,
-    max_calibrate,
-    register_algorithm,
-    require_data,
-    run_forward_loop,
-)
+from ..calibration.calibrate import ForwardLoop, register_algorithm, require_data, run_forward_loop
 from ..calibration.layerwise import layerwise
+from ..calibration.max_calib import calibration_mode, max_calibrate
 from ..calibration.search import block_gram, block_weighted_error, quantize_like
 from ..calibration.targets import Target, blocks, capture, groups, linear_targets
 from .smoothquant import apply_input_scale

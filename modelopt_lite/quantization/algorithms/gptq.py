@@ -24,15 +24,9 @@ from ...formats import fp8_fake_quant, int_fake_quant, nvfp4_block_scales, nvfp4
 from ...formats.rounding import e2m1_round
 from ...logging import get_logger
 from ...nn import TensorQuantizer
-from ..calibration.calibrate import (
-    ForwardLoop,
-    calibration_mode,
-    max_calibrate,
-    register_algorithm,
-    require_data,
-    run_forward_loop,
-)
+from ..calibration.calibrate import ForwardLoop, register_algorithm, require_data, run_forward_loop
 from ..calibration.layerwise import layerwise
+from ..calibration.max_calib import calibration_mode, max_calibrate
 from ..calibration.targets import blocks, capture, linear_targets
 
 __all__ = ["gptq", "gptq_quantize_weight"]

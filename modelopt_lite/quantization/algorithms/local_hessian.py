@@ -24,15 +24,8 @@ from torch import nn
 
 from ...logging import get_logger
 from ...nn import Quantizer, TensorQuantizer, iter_quantizers
-from ..calibration.calibrate import (
-    ForwardLoop,
-    calibration_mode,
-    max_calibrate,
-    register_algorithm,
-    require_data,
-    run_forward_loop,
-    weight_quantizers,
-)
+from ..calibration.calibrate import ForwardLoop, register_algorithm, require_data, run_forward_loop
+from ..calibration.max_calib import calibration_mode, max_calibrate, weight_quantizers
 from ..calibration.search import block_weighted_error
 from ..calibration.targets import capture, linear_targets
 from .mse import ErrorMeasure, search_options, search_weight_amax

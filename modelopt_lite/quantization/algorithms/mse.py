@@ -22,7 +22,8 @@ from torch import nn
 from ...formats import reduce_like_amax
 from ...logging import get_logger
 from ...nn import Quantizer, TensorQuantizer
-from ..calibration.calibrate import ForwardLoop, max_calibrate, register_algorithm, weight_quantizers
+from ..calibration.calibrate import ForwardLoop, register_algorithm
+from ..calibration.max_calib import max_calibrate, weight_quantizers
 from ..calibration.search import quantize_like
 
 __all__ = ["fp8_scale_candidates", "mse_calibrate", "search_options", "search_weight_amax"]

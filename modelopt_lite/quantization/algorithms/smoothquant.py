@@ -23,16 +23,13 @@ from ...logging import get_logger
 from ...moe import reset_coverage
 from ...nn import TensorQuantizer
 from ...nn.calibrators import MaxCalibrator
-from ..calibration.calibrate import (
-    ForwardLoop,
+from ..calibration.calibrate import ForwardLoop, register_algorithm, require_data, run_forward_loop
+from ..calibration.max_calib import (
     _collect_activations,
     activation_quantizers,
     calibrate_weights,
     calibration_mode,
     load_activations,
-    register_algorithm,
-    require_data,
-    run_forward_loop,
 )
 from ..calibration.targets import Target, blocks, capture, groups, linear_targets
 

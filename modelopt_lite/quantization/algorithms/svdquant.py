@@ -27,7 +27,8 @@ from torch import nn
 from ...logging import get_logger
 from ...nn import TensorQuantizer
 from ...nn.quant_linear import set_lowrank_factors
-from ..calibration.calibrate import ForwardLoop, max_calibrate, register_algorithm, require_data
+from ..calibration.calibrate import ForwardLoop, register_algorithm, require_data
+from ..calibration.max_calib import max_calibrate
 from ..calibration.targets import linear_targets
 from .awq import awq_lite
 

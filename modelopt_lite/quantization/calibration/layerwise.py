@@ -32,14 +32,8 @@ from ...distributed import is_distributed
 from ...logging import get_logger
 from ...moe import reset_coverage
 from ...nn import SequentialQuantizer, TensorQuantizer
-from .calibrate import (
-    ForwardLoop,
-    _collect_activations,
-    activation_quantizers,
-    calibrate_weights,
-    load_activations,
-    run_forward_loop,
-)
+from .calibrate import ForwardLoop, run_forward_loop
+from .max_calib import _collect_activations, activation_quantizers, calibrate_weights, load_activations
 from .targets import Target, blocks
 
 __all__ = ["Layer", "Layerwise", "decoder_layers", "layerwise"]

@@ -139,7 +139,7 @@ def test_the_size_check_finds_a_long_module_and_a_crowded_folder(tmp_path):
     (package / "short.py").write_text("x = 1\n" * MAX_LINES)
     for i in range(MAX_MODULES + 1):
         (package / "sub" / f"m{i}.py").write_text("")
-    for i in range(MAX_MODULES):
+    for i in range(MAX_MODULES - 2):  # with long.py and short.py: as many as allowed
         (package / f"n{i}.py").write_text("")
     problems = oversized(package)
     assert len(problems) == 2, problems
@@ -201,6 +201,7 @@ def test_every_library_path_the_docs_name_resolves():
         (page.relative_to(ROOT).as_posix(), dotted)
         for page in pages
         for dotted in _DOTTED.findall(page.read_text(encoding="utf-8"))
+        if not dotted.startswith("modelopt_lite.examples.")  # the examples' logger names
     }
     assert len(found) > 10
     stale = sorted(f"{page}: {dotted}" for page, dotted in found if not resolves(dotted))

@@ -1,5 +1,5 @@
-"""Floor 2: ``TensorQuantizer``, calibrators, quantized module wrappers (Linear, Conv1D, attention with
-KV-cache quantizers) and the module-class -> wrapper registry."""
+"""Floor 2a: ``TensorQuantizer`` (:mod:`.quantizer`), calibrators (:mod:`.calibrators`), quantized module
+wrappers (Linear, Conv1D, attention with KV-cache quantizers) and the module-class -> wrapper registry."""
 
 from . import kv_attention, quant_linear  # noqa: F401  (their wrappers register at definition time)
 from .calibrators import Calibrator, HistogramCalibrator, MaxCalibrator, make_calibrator

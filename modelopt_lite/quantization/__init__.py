@@ -7,6 +7,10 @@ Presets are plain dicts under the reference library's names; recipes are YAML fi
 reference's other public names are here too (:mod:`.compat`, :mod:`.config.config_models`, ``mtq.nn``,
 ``mtq.tensor_quant``); those for features this library leaves out raise :class:`UnsupportedFeatureError`
 (a ``NotImplementedError``) naming what to use.
+
+Every name users import is here; the code lives in subpackages, top to bottom (``docs/architecture.md``):
+:mod:`.auto_quantize`, then :mod:`.model_quant` (the entry points), then :mod:`.algorithms` and
+:mod:`.compress`, then :mod:`.calibration` and :mod:`.insertion`, with :mod:`.config` at the bottom.
 """
 
 from ..nn import QUANT_MODULES, QuantModule, SequentialQuantizer, TensorQuantizer, iter_quantizers

@@ -49,7 +49,7 @@ from torch import nn
 import modelopt_lite.quantization as mtq
 from modelopt_lite.models import DENSE
 from modelopt_lite.quantization.compress import compressed_layers, fast_int8_gemm
-from modelopt_lite.quantization.packers import UnsupportedFormatError
+from modelopt_lite.quantization.compress.packers import UnsupportedFormatError
 
 #: preset -> how it is calibrated here (AWQ's search replaced by max: the stored format is the same)
 FORMATS = {

@@ -223,9 +223,9 @@ def recovered_amax(model: Any, export_dir: Path) -> int:
     import torch
     from safetensors import safe_open
 
-    from modelopt_lite.export.load_activations import _KV_MAX
+    from modelopt_lite.export.load.activations import _KV_MAX
     from modelopt_lite.nn import TensorQuantizer
-    from modelopt_lite.quantization.packers import INPUT_SCALE_BOUND
+    from modelopt_lite.quantization.compress.packers import INPUT_SCALE_BOUND
 
     stored: dict[str, torch.Tensor] = {}
     for f in Path(export_dir).glob("*.safetensors"):

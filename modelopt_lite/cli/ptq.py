@@ -42,7 +42,7 @@ from ..data import heldout_split, load_texts, token_stream, windows
 from ..export.layers import SUPPORTED, unify_shared_scales
 from ..logging import get_logger
 from ..models.real import REAL_MODELS
-from ..quantization.presets import AUTO_QUANTIZE_DISABLED
+from ..quantization.config.presets import AUTO_QUANTIZE_DISABLED
 from .ptq_config import KV_FORMATS, NOT_EXPORTABLE, QFORMATS, auto_quantize_formats, build_config
 
 __all__ = ["QFORMATS", "auto_quantize_formats", "build_config", "main", "parse_args"]

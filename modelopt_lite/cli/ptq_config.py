@@ -8,7 +8,7 @@ from typing import Any
 
 from .. import quantization as mtq
 from ..quantization.auto_quantize import SEARCHABLE_ALGORITHMS
-from ..quantization.presets import STANDARD_EXCLUSIONS
+from ..quantization.config.presets import STANDARD_EXCLUSIONS
 
 __all__ = ["KV_FORMATS", "NOT_EXPORTABLE", "QFORMATS", "auto_quantize_formats", "build_config"]
 

@@ -10,7 +10,7 @@ paths (TensorRT-LLM, Megatron-Core, vLLM fake quant) exist in :mod:`.compat` and
 :func:`export_gpt_oss_mxfp4` writes GPT-OSS's own MXFP4 layout (``quant_method: "mxfp4"``).
 """
 
-from ..quantization.packers import PACKERS, Packer, get_packer, register_packer
+from ..quantization.compress.packers import PACKERS, Packer, get_packer, register_packer
 from .compat import (
     convert_hf_quant_config_format,
     convert_to_transformer_engine,
@@ -25,7 +25,12 @@ from .compat import (
 )
 from .hf_config import QUANT_METHOD, hf_quant_config, quantization_config
 from .layers import SHARED_INPUT_GROUPS, UnsupportedFormatError, detect_format, unify_shared_scales
-from .loader import ModeloptExportConfig, ModeloptExportQuantizer, load_hf_checkpoint, read_hf_quant_config
+from .load.loader import (
+    ModeloptExportConfig,
+    ModeloptExportQuantizer,
+    load_hf_checkpoint,
+    read_hf_quant_config,
+)
 from .mxfp4 import export_gpt_oss_mxfp4
 from .verify import ExportVerificationError, read_checkpoint, verify_export
 from .writer import ExportResult, export_hf_checkpoint, parse_size

@@ -21,7 +21,7 @@ from ..moe import QuantExperts
 from ..nn import QuantAttention, QuantLinear, TensorQuantizer
 from ..nn.quant_module import Quantizer
 from ..quantization.compress import CompressedExperts, CompressedLinear
-from ..quantization.real_format import (
+from ..quantization.compress.real_format import (
     COMPRESS_ONLY,
     SUPPORTED,
     UnsupportedFormatError,

@@ -24,7 +24,7 @@ from safetensors import safe_open
 from torch import nn
 
 from ..nn import iter_quantizers
-from ..quantization.packers import get_packer
+from ..quantization.compress.packers import get_packer
 
 __all__ = ["ExportVerificationError", "read_checkpoint", "verify_export"]
 

@@ -39,7 +39,7 @@ from ..distributed import (
 from ..logging import get_logger
 from ..nn import iter_quantizers
 from ..nn.errors import UnsupportedFeatureError
-from ..quantization.packers import INPUT_SCALE_BOUND, get_packer, scale_of_amax
+from ..quantization.compress.packers import INPUT_SCALE_BOUND, get_packer, scale_of_amax
 from .hf_config import hf_quant_config, quantization_config
 from .layers import ExportLayer, ExportModule, export_plan, foldable_norms, kv_layers, unify_shared_scales
 from .shards import ShardWriter, _check_target, _move_into_place, parse_size, umask

@@ -1,16 +1,17 @@
 """Floor 1: reference fake quantization per format (pure PyTorch, any device), the straight-through
-estimator, E2M1 packing, Triton kernels used automatically on CUDA tensors, and on CPU tensors one-pass native
-kernels (:mod:`.native`, on by default) and compiled (fused) kernels (:mod:`.fused`, opt-in)."""
+estimator, E2M1 packing, and the fast paths of :mod:`.kernels`: Triton kernels used automatically on CUDA
+tensors, and on CPU tensors one-pass native kernels (:mod:`.kernels.native`, on by default) and compiled
+(fused) kernels (:mod:`.kernels.fused`, opt-in)."""
 
 from ._blocks import BlockLayout
 from .fp8 import fp8_fake_quant
 from .functional import fake_quant, fake_quant_reference, reduce_amax, reduce_axes, reduce_like_amax
-from .fused import fused_call_count, fused_fake_quant_enabled, set_fused_fake_quant
 from .hadamard import hadamard_block_size, hadamard_matrix, hadamard_transform
 from .integer import int_bounds, int_fake_quant
+from .kernels.fused import fused_call_count, fused_fake_quant_enabled, set_fused_fake_quant
+from .kernels.native import native_call_count, native_fake_quant_enabled, set_native_fake_quant
 from .learnable import fake_quant_learnable, learnable_amax_error
 from .mx import mx_fake_quant, mx_scale_exponent
-from .native import native_call_count, native_fake_quant_enabled, set_native_fake_quant
 from .nvfp4 import (
     nvfp4_block_scales,
     nvfp4_fake_quant,

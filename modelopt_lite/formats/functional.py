@@ -1,20 +1,20 @@
 """One entry point over every format: ``fake_quant(x, spec, amax)`` with a straight-through backward, and
 ``reduce_amax(x, spec)``, the statistic a calibrator collects for that spec.
 
-On CUDA tensors the Triton kernels of :mod:`.triton_kernels` run when triton is installed and the layout is
-one they cover; everything else runs the pure-PyTorch reference functions, which the kernels match bit for
-bit.
+On CUDA tensors the Triton kernels (:mod:`.kernels.triton_kernels`) run when triton is installed and the
+layout is one they cover; everything else runs the pure-PyTorch reference functions, which the kernels match
+bit for bit.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import fused, native
 from ._blocks import BlockLayout
 from ._chunks import map_rows
 from .fp8 import fp8_apply, fp8_scales, fp8_spec
 from .integer import check_unsigned, int_apply, int_bounds, int_scale_keep
+from .kernels import fused, native
 from .mx import mx_fake_quant
 from .nvfp4 import nvfp4_fake_quant, nvfp4_static_fake_quant
 from .spec import FormatSpec
@@ -186,12 +186,13 @@ def dispatch_fake_quant(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Fake quant without autograd: the Triton kernel on CUDA where it applies; on CPU the native kernel of
-    :mod:`.native` (into ``out`` when given), else the fused (compiled) kernel of :mod:`.fused` when turned
-    on, where they apply; else the reference (into ``out`` where it supports one)."""
+    :mod:`.kernels.native` (into ``out`` when given), else the fused (compiled) kernel of
+    :mod:`.kernels.fused` when turned on, where they apply; else the reference (into ``out`` where it supports
+    one)."""
     if spec.dynamic and not spec.block_axes and spec.kind in ("int", "fp8"):
         amax = reduce_amax(x, spec)  # dynamic per tensor / per axis: this input's own amax
     if x.is_cuda:
-        from . import triton_kernels
+        from .kernels import triton_kernels
 
         res = triton_kernels.try_fake_quant(x, spec, amax)
         if res is not None:

@@ -17,7 +17,8 @@ Real pretrained models shipped in packages (``REAL_MODELS``: ``"smollm2-135m"``,
 checkpoint (``real_model_path``, ``load_real_model``; see ``real``); ``default_model_path`` and
 ``load_default_model`` take their names too.
 
-This package sits on the lowest floor: it needs transformers and tokenizers only.
+Floor 1: it needs transformers and tokenizers, and the held-out protocol and data loader of floor 0
+(``evaluation``, ``data``).
 """
 
 from .cache import build_default_model, cache_root, default_model_path, load_default_model

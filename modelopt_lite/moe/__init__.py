@@ -1,7 +1,7 @@
-"""Floor 2: fused MoE experts (transformers' ``@use_experts_implementation`` classes, Llama 4's text
-experts): per-expert quantizers on transformers' ``grouped_mm`` and ``eager`` backends, and the token
-coverage report; the experts that are separate modules, whose activation quantizers calibration fills from
-the other experts of their layer when they received no tokens."""
+"""Floor 2b (above ``nn``): fused MoE experts (transformers' ``@use_experts_implementation`` classes,
+Llama 4's text experts): per-expert quantizers on transformers' ``grouped_mm`` and ``eager`` backends, and the
+token coverage report; the experts that are separate modules, whose activation quantizers calibration fills
+from the other experts of their layer when they received no tokens."""
 
 from .coverage import coverage_report, reset_coverage, unquantized_experts
 from .experts import (

@@ -28,10 +28,10 @@ from torch import nn
 from transformers.integrations.moe import grouped_mm_experts_forward
 
 from ..formats import fake_quant
-from ..formats.fused import fused_fake_quant_enabled
+from ..formats.kernels.fused import fused_fake_quant_enabled
 from ..nn import QUANT_MODULES, QuantModule, TensorQuantizer
 from ..nn.quant_module import Quantizer
-from ..nn.quantizer_buffers import reusable_buffer
+from ..nn.quantizer.buffers import reusable_buffer
 
 __all__ = [
     "EXPERTS_IMPLEMENTATIONS",

@@ -34,7 +34,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 from .quant_module import QUANT_MODULES, QuantModule
-from .tensor_quantizer import TensorQuantizer
+from .quantizer.tensor_quantizer import TensorQuantizer
 
 __all__ = ["KV_ATTENTION_IMPLEMENTATIONS", "QuantAttention", "kv_attention_name"]
 

@@ -24,10 +24,10 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from .attribute_dict import quantizer_attributes
 from .quant_module import QUANT_MODULES, Quantizer, QuantModule
-from .quantizer_attributes import QuantizerAttributes
-from .tensor_quantizer import TensorQuantizer
+from .quantizer.attribute_dict import quantizer_attributes
+from .quantizer.attributes import QuantizerAttributes
+from .quantizer.tensor_quantizer import TensorQuantizer
 
 __all__ = ["LOWRANK_BUFFERS", "QuantConv1D", "QuantLinear", "lowrank_factors", "set_lowrank_factors"]
 

@@ -31,8 +31,8 @@ import torch
 from torch import nn
 
 from ..logging import get_logger
-from .sequential_quantizer import SequentialQuantizer
-from .tensor_quantizer import TensorQuantizer
+from .quantizer.sequential_quantizer import SequentialQuantizer
+from .quantizer.tensor_quantizer import TensorQuantizer
 
 __all__ = [
     "QUANT_MODULES",

@@ -4,17 +4,21 @@
     mtq.print_quant_summary(model)
 
 Presets are plain dicts under the reference library's names; recipes are YAML files loaded by name. The
-reference's other public names are here too (:mod:`.compat`, :mod:`.config_models`, ``mtq.nn``,
+reference's other public names are here too (:mod:`.compat`, :mod:`.config.config_models`, ``mtq.nn``,
 ``mtq.tensor_quant``); those for features this library leaves out raise :class:`UnsupportedFeatureError`
 (a ``NotImplementedError``) naming what to use.
+
+Every name users import is here; the code lives in subpackages, top to bottom (``docs/architecture.md``):
+:mod:`.auto_quantize`, then :mod:`.model_quant` (the entry points), then :mod:`.algorithms` and
+:mod:`.compress`, then :mod:`.calibration` and :mod:`.insertion`, with :mod:`.config` at the bottom.
 """
 
 from ..nn import QUANT_MODULES, QuantModule, SequentialQuantizer, TensorQuantizer, iter_quantizers
 
-# algorithms register at definition time; calib, nn and tensor_quant are the reference's mtq.* modules
-from . import awq, calib, config_models, gptq, local_hessian, mse, nn, smoothquant, svdquant, tensor_quant  # noqa: F401
+# the algorithms register at import; calib, nn and tensor_quant are the reference's mtq.* modules
+from . import algorithms, calib, nn, tensor_quant  # noqa: F401
 from .auto_quantize import auto_quantize, get_auto_quantize_config
-from .calibrate import calibrate, check_calibrated, register_algorithm, run_forward_loop
+from .calibration import calibrate, check_calibrated, register_algorithm, run_forward_loop
 from .compat import (
     compute_quantization_mse,
     find_quant_cfg_entry_by_path,
@@ -30,8 +34,23 @@ from .compat import (
     update_quant_cfg_with_kv_cache_quant,
 )
 from .compress import compress, is_compressed
-from .config import QuantizeConfig, QuantRule, UnsupportedFeatureError, quantizer_attributes
-from .config_models import *  # noqa: F403  (the reference's pydantic config classes)
+from .config import (
+    EXTRA_PRESETS,
+    KV_PRESETS,
+    PRESETS,
+    QuantizeConfig,
+    QuantRule,
+    Recipe,
+    UnsupportedFeatureError,
+    config_models,
+    get_preset,
+    list_recipes,
+    load_recipe,
+    preset_names,
+    quantizer_attributes,
+    with_kv_cache,
+)
+from .config.config_models import *  # noqa: F403  (the reference's pydantic config classes)
 from .insertion import insert_quantizers
 from .model_quant import (
     disable_quantizer,
@@ -45,8 +64,6 @@ from .model_quant import (
     resolve_config,
     set_quantizer_by_cfg,
 )
-from .presets import EXTRA_PRESETS, KV_PRESETS, PRESETS, get_preset, preset_names, with_kv_cache
-from .recipes import Recipe, list_recipes, load_recipe
 from .rotation import rotate_residual
 from .unsupported import (
     register_attention_for_kv_quant,

@@ -3,7 +3,7 @@
 Quantizers are selected as in the reference: ``wildcard_or_filter_func`` is an fnmatch pattern on the
 quantizer's dotted name (per-expert indices folded, as in config rules) or a function of the name, and
 ``parent_class`` restricts the match to quantizers whose module is an instance of that class. Attributes are
-given in the reference's vocabulary (a dict or a :class:`~.config_models.QuantizerAttributeConfig`) and
+given in the reference's vocabulary (a dict or a :class:`~.config.QuantizerAttributeConfig`) and
 validated by the same checks as config rules.
 
 What the reference has and this library deliberately does not is in :mod:`.unsupported`.
@@ -26,12 +26,12 @@ from ..distributed import is_sharded
 from ..logging import get_logger
 from ..nn import QUANT_MODULES, QuantizerAttributes, QuantModule, SequentialQuantizer, TensorQuantizer
 from ..nn.errors import UnsupportedFeatureError
-from .calibrate import ForwardLoop, run_forward_loop
+from .calibration.calibrate import ForwardLoop, run_forward_loop
 from .config import QuantizeConfig, quantizer_attributes
-from .config_models import QuantizerCfgEntry
+from .config.config_models import QuantizerCfgEntry
+from .config.presets import with_kv_cache
 from .insertion import _parent_matches, _set, _slots, insert_quantizers, match_name
 from .model_quant import fold_weight, quant_state, set_quantizer_by_cfg
-from .presets import with_kv_cache
 
 __all__ = [
     "compute_quantization_mse",
@@ -231,7 +231,7 @@ def set_quantizer_by_cfg_context(quant_model: nn.Module, quant_cfg: Any) -> Iter
 # --------------------------------------------------------------------------------------------- configs
 def normalize_quant_cfg_list(v: Any) -> list[QuantizerCfgEntry]:
     """``quant_cfg`` (the list form, the older dict form with ``"default"`` and ``"nn.*"``-scoped keys, or a
-    whole config) as validated :class:`~.config_models.QuantizerCfgEntry` objects in the order they apply,
+    whole config) as validated :class:`~.config.QuantizerCfgEntry` objects in the order they apply,
     each with ``quantizer_name``, ``parent_class``, ``cfg`` (a ``QuantizerAttributeConfig``, a list of them,
     or ``None``) and ``enable`` filled in, as the reference returns them. The legacy key ``"default"``
     becomes ``"*"`` and, being the fallback (:mod:`.config`), comes first. A bad entry raises

@@ -21,7 +21,7 @@ from ..nn import QUANT_MODULES, QuantModule, SequentialQuantizer, TensorQuantize
 from ..nn.kv_attention import QuantAttention, kv_attention_name
 from ..nn.quant_module import replaced_forward
 from .config import QuantizeConfig, QuantRule
-from .presets import STANDARD_EXCLUSIONS
+from .config.presets import STANDARD_EXCLUSIONS
 
 __all__ = [
     "Provenance",

@@ -14,8 +14,10 @@ from ..distributed import weight_access
 from ..logging import get_logger
 from ..moe import unquantized_experts
 from ..nn import QuantizerAttributes, QuantModule, iter_quantizers
-from .calibrate import ForwardLoop, algorithm_steps, calibrate
+from .calibration.calibrate import ForwardLoop, algorithm_steps, calibrate
 from .config import QuantizeConfig, QuantRule
+from .config.presets import get_preset, preset_names
+from .config.recipes import list_recipes, load_recipe
 from .insertion import (
     STATE_ATTR,
     Provenance,
@@ -28,8 +30,6 @@ from .insertion import (
     snapshot_implementations,
     use_experts_implementation,
 )
-from .presets import get_preset, preset_names
-from .recipes import list_recipes, load_recipe
 
 __all__ = [
     "QuantState",

@@ -30,7 +30,7 @@ import torch
 
 from ..formats import e2m1_round, fake_quant, fp8_fake_quant, int_bounds, int_fake_quant, resolve_format
 from ..nn.errors import UnsupportedFeatureError
-from .config_models import QuantizerAttributeConfig
+from .config.config_models import QuantizerAttributeConfig
 
 __all__ = [
     "E4M3_MAX",

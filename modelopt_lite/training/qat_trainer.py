@@ -38,7 +38,7 @@ from ..opt.state import modelopt_state, restore_from_modelopt_state
 from ..quantization import auto_quantize, need_calibration, quant_state, quantize
 from ..quantization.compress import compressed_layers
 from ..quantization.config import plain
-from ..quantization.presets import AUTO_QUANTIZE_DISABLED
+from ..quantization.config.presets import AUTO_QUANTIZE_DISABLED
 from .arguments import QuantizationArguments
 from .calib_data import calibration_samples
 from .callbacks import _AmaxCheckCallback, _GCCallback

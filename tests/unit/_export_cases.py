@@ -28,7 +28,7 @@ FORMATS = {
     "MXFP8_DEFAULT_CFG": "MXFP8",
 }
 #: formats whose dequantized weights equal the fake-quantized ones bit for bit (the others: within a few ulp,
-#: see modelopt_lite/quantization/packers.py)
+#: see modelopt_lite/quantization/compress/packers.py)
 BIT_EXACT = {"NVFP4", "NVFP4_AWQ", "W4A16_NVFP4", "MXFP8"}
 
 

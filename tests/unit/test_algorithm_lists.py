@@ -13,7 +13,9 @@ import modelopt_lite.quantization as mtq
 from ._models import batches, tiny_llama
 
 INT8 = mtq.get_preset("INT8_DEFAULT_CFG")
-calibrate_module = importlib.import_module("modelopt_lite.quantization.calibrate")  # not mtq.calibrate
+calibrate_module = importlib.import_module(
+    "modelopt_lite.quantization.calibration.calibrate"
+)  # not mtq.calibrate
 
 
 def _state(model) -> dict[str, torch.Tensor]:

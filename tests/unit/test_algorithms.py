@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 import modelopt_lite.quantization as mtq
-from modelopt_lite.quantization.gptq import gptq_quantize_weight
-from modelopt_lite.quantization.layers import blocks, linear_targets
+from modelopt_lite.quantization.algorithms.gptq import gptq_quantize_weight
+from modelopt_lite.quantization.calibration.targets import blocks, linear_targets
 
 from ._models import batches, tiny_llama, tiny_qwen3_moe
 
@@ -205,8 +205,9 @@ def test_algorithms_run_per_expert_on_fused_moe(algorithm, lib_caplog):
 
 
 def test_groups_come_from_identical_inputs_not_memory_addresses():
-    from modelopt_lite.quantization.calibrate import calibration_mode, run_forward_loop
-    from modelopt_lite.quantization.layers import capture, groups
+    from modelopt_lite.quantization.calibration.calibrate import run_forward_loop
+    from modelopt_lite.quantization.calibration.max_calib import calibration_mode
+    from modelopt_lite.quantization.calibration.targets import capture, groups
 
     model = tiny_llama()
     mtq.quantize(model, mtq.INT4_BLOCKWISE_WEIGHT_ONLY_CFG)
@@ -225,7 +226,7 @@ def test_gptq_weights_are_kept_by_fake_quant_in_every_granularity(cfg):
 
 
 def test_awq_full_clips_on_the_smoothed_inputs(monkeypatch):
-    from modelopt_lite.quantization import awq
+    from modelopt_lite.quantization.algorithms import awq
 
     seen = []
     original = awq._clip_target
@@ -241,7 +242,7 @@ def test_awq_full_clips_on_the_smoothed_inputs(monkeypatch):
 def test_awq_lite_group_loss_sums_each_layers_relative_error():
     """A shared scale is judged by each layer's relative output error, so that a layer with large outputs
     (e.g. v_proj) does not decide the scale of its whole group alone."""
-    from modelopt_lite.quantization import awq
+    from modelopt_lite.quantization.algorithms import awq
 
     torch.manual_seed(0)
     model = nn.ModuleDict({"a": nn.Linear(64, 32, bias=False), "b": nn.Linear(64, 32, bias=False)})

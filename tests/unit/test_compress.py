@@ -14,7 +14,7 @@ import torch
 
 import modelopt_lite.quantization as mtq
 from modelopt_lite.quantization.compress import W8A8_TOLERANCE, compressed_layers, fast_int8_gemm
-from modelopt_lite.quantization.packers import UnsupportedFormatError, get_packer
+from modelopt_lite.quantization.compress.packers import UnsupportedFormatError, get_packer
 
 from ._export_cases import FORMATS, quantized
 from ._models import batches, tiny_gpt2, tiny_llama
@@ -91,7 +91,7 @@ def test_w8a8_runs_torchao_int8_gemm(compiled):
     """W8A8 computes with torchao's Int8Tensor: torch._int_mm (int8 x int8 -> int32) runs once per layer
     (``int8_gemm=True``: by default only where it is fast, a CPU with AVX512-VNNI / AMX, or CUDA), under
     torch.compile on a CPU (the activation quantization fused: no separate round op) or eagerly."""
-    from modelopt_lite.quantization.compressed import _COMPILED, CompressedLinear
+    from modelopt_lite.quantization.compress.linear import _COMPILED, CompressedLinear
 
     model = mtq.compress(quantized("llama", "INT8_SMOOTHQUANT_CFG"), int8_gemm=True)
     layers = [m for m in model.modules() if isinstance(m, CompressedLinear)]
@@ -129,7 +129,7 @@ def test_w8a8_compiles_every_layer_shape():
 def test_w8a8_compiled_equals_eager_and_falls_back(monkeypatch, lib_caplog):
     """The compiled int8 linear computes what the eager one computes (within W8A8_TOLERANCE of the fake
     quant either way); a compilation failure logs one warning and the layers run eagerly from then on."""
-    from modelopt_lite.quantization import compressed
+    from modelopt_lite.quantization.compress import linear as compressed
 
     model = mtq.compress(quantized("llama", "INT8_SMOOTHQUANT_CFG"), int8_gemm=True)
     ids = batches(n=2, seed=5)[0]
@@ -161,7 +161,7 @@ def test_w8a8_int8_tensor_built_once_and_rebuilt_when_its_tensors_change(monkeyp
     """The torchao Int8Tensor of a W8A8 layer is built on the first forward and reused (rebuilding it per
     call cost as much as a small layer's GEMM); a changed amax (in place, as load_state_dict does, or a new
     tensor), a dtype cast or another input rank rebuild it, and the outputs follow."""
-    from modelopt_lite.quantization.compressed import _INT8_WEIGHTS, CompressedLinear
+    from modelopt_lite.quantization.compress.linear import _INT8_WEIGHTS, CompressedLinear
 
     fake = quantized("llama", "INT8_SMOOTHQUANT_CFG")
     model = mtq.compress(copy.deepcopy(fake), int8_gemm=True)

@@ -15,9 +15,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import modelopt_lite.quantization as mtq
 from modelopt_lite.export import load_hf_checkpoint
-from modelopt_lite.export.loader import ModeloptExportConfig
+from modelopt_lite.export.load.loader import ModeloptExportConfig
 from modelopt_lite.quantization.compress import W8A8_TOLERANCE, CompressedLinear, compressed_layers
-from modelopt_lite.quantization.packers import get_packer
+from modelopt_lite.quantization.compress.packers import get_packer
 
 from ._export_cases import FORMATS, assert_within_ulp, export, quantized, tensors
 from ._models import batches, tiny_llama
@@ -25,7 +25,7 @@ from ._training import CountingData, cpu_args
 
 pytest.importorskip("torchao", reason="loading an export compressed needs the torchao extra")
 
-LOGGER = "modelopt_lite.export.loader"
+LOGGER = "modelopt_lite.export.load.loader"
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -234,7 +234,7 @@ def test_int4_partial_last_block(tmp_path):
 def test_without_safetensors_files_refused(exports):
     """The packed layers are sized from the safetensors headers: without them the load is refused rather
     than falling back to full precision."""
-    from modelopt_lite.export.loader import ModeloptExportQuantizer
+    from modelopt_lite.export.load.loader import ModeloptExportQuantizer
 
     _, directory = exports["FP8_DEFAULT_CFG"]
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory))

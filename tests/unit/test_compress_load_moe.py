@@ -18,17 +18,17 @@ from safetensors.torch import save_file
 
 import modelopt_lite.quantization as mtq
 from modelopt_lite.export import load_hf_checkpoint
-from modelopt_lite.export.loader import ModeloptDequantize
+from modelopt_lite.export.load.loader import ModeloptDequantize
 from modelopt_lite.moe import QuantExperts
 from modelopt_lite.quantization.compress import CompressedExperts, compressed_layers
-from modelopt_lite.quantization.packers import get_packer
+from modelopt_lite.quantization.compress.packers import get_packer
 
 from ._export_cases import FORMATS, export, quantized, tensors
 from ._models import batches, tiny_gpt_oss, tiny_llama4, tiny_qwen3_moe
 
 pytest.importorskip("torchao", reason="loading an export compressed needs the torchao extra")
 
-LOGGER = "modelopt_lite.export.loader"
+LOGGER = "modelopt_lite.export.load.loader"
 PRESETS = ("NVFP4_DEFAULT_CFG", "FP8_DEFAULT_CFG")
 
 

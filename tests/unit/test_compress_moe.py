@@ -16,7 +16,7 @@ import modelopt_lite.quantization as mtq
 from modelopt_lite.moe import QuantExperts
 from modelopt_lite.nn.errors import UnsupportedFeatureError
 from modelopt_lite.quantization.compress import CompressedExperts, compressed_layers
-from modelopt_lite.quantization.packers import UnsupportedFormatError, get_packer
+from modelopt_lite.quantization.compress.packers import UnsupportedFormatError, get_packer
 
 from ._export_cases import FORMATS, quantized
 from ._models import VOCAB, batches, tiny_gpt_oss, tiny_llama4, tiny_qwen3_moe

@@ -181,7 +181,7 @@ def test_missing_input_scale_is_an_error(exports, tmp_path):
 
 def test_format_without_a_known_activation_quantization_is_an_error(exports, tmp_path):
     """A quant_algo whose activation quantization the loader does not know raises, naming it."""
-    from modelopt_lite.export import load_activations
+    from modelopt_lite.export.load import activations as load_activations
 
     with pytest.raises(ValueError, match=r"MXFP4.*activations='dense'"):
         load_activations.input_cfg("MXFP4")

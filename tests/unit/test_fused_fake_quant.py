@@ -20,9 +20,9 @@ from modelopt_lite.formats import (
     resolve_format,
     set_fused_fake_quant,
 )
-from modelopt_lite.formats import fused as fused_mod
-from modelopt_lite.formats import native as native_mod
 from modelopt_lite.formats.functional import dispatch_fake_quant
+from modelopt_lite.formats.kernels import fused as fused_mod
+from modelopt_lite.formats.kernels import native as native_mod
 from modelopt_lite.formats.rounding import e2m1_round
 
 from ._fast_paths import (

@@ -3,11 +3,12 @@
 ``acyclic_siblings`` contract of ``lint-imports`` checks packages against their siblings; this test checks
 the modules themselves, e.g. a module that imports its own package's ``__init__`` back); the console
 scripts are the command lines of ``modelopt_lite.cli``; internal modules that moved are gone from their old
-paths."""
+paths; no module is over 400 lines and no folder holds more than 12 modules."""
 
 from __future__ import annotations
 
 import importlib
+import re
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,27 @@ import pytest
 grimp = pytest.importorskip("grimp")
 
 ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "modelopt_lite"
+MAX_LINES = 400  # per module
+MAX_MODULES = 12  # per folder: its .py files, __init__.py included (subpackages are folders of their own)
+
+
+def oversized(package: Path) -> list[str]:
+    """Every module of ``package`` over ``MAX_LINES`` lines and every folder with more than ``MAX_MODULES``
+    modules, as messages."""
+    problems = []
+    for module in sorted(package.rglob("*.py")):
+        lines = len(module.read_text(encoding="utf-8").splitlines())
+        if lines > MAX_LINES:
+            problems.append(f"{module.relative_to(package.parent)}: {lines} lines (at most {MAX_LINES})")
+    for folder in sorted({package, *(p for p in package.rglob("*") if p.is_dir())}):
+        modules = sorted(folder.glob("*.py"))
+        if len(modules) > MAX_MODULES:
+            problems.append(
+                f"{folder.relative_to(package.parent)}/: {len(modules)} modules (at most {MAX_MODULES}): "
+                "split it by concept into subpackages"
+            )
+    return problems
 
 
 def _cycles(graph) -> list[list[str]]:
@@ -104,10 +126,36 @@ def test_console_scripts_are_the_command_lines():
         assert exit_.value.code == 0, name
 
 
+def test_no_module_over_400_lines_no_folder_over_12_modules():
+    assert (PACKAGE / "quantization" / "model_quant.py").is_file()  # this checkout's library
+    problems = oversized(PACKAGE)
+    assert not problems, "split along a real seam:\n" + "\n".join(problems)
+
+
+def test_the_size_check_finds_a_long_module_and_a_crowded_folder(tmp_path):
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    (package / "long.py").write_text("x = 1\n" * (MAX_LINES + 1))
+    (package / "short.py").write_text("x = 1\n" * MAX_LINES)
+    for i in range(MAX_MODULES + 1):
+        (package / "sub" / f"m{i}.py").write_text("")
+    for i in range(MAX_MODULES - 2):  # with long.py and short.py: as many as allowed
+        (package / f"n{i}.py").write_text("")
+    problems = oversized(package)
+    assert len(problems) == 2, problems
+    assert problems[0].startswith(f"pkg/long.py: {MAX_LINES + 1} lines")
+    assert problems[1].startswith(f"pkg/sub/: {MAX_MODULES + 1} modules")
+
+
 @pytest.mark.parametrize(
     "old",
     ["modelopt_lite.export.ptq", "modelopt_lite.export.ptq_config", "modelopt_lite.models.cli",
-     "modelopt_lite.export.packers"],
+     "modelopt_lite.export.packers", "modelopt_lite.quantization.packers",
+     "modelopt_lite.quantization.calibrate", "modelopt_lite.quantization.awq",
+     "modelopt_lite.quantization.auto_quantize_groups", "modelopt_lite.quantization.compressed",
+     "modelopt_lite.quantization.config_models", "modelopt_lite.quantization.presets",
+     "modelopt_lite.formats.fused", "modelopt_lite.export.loader", "modelopt_lite.nn.tensor_quantizer",
+     "modelopt_lite.nn.quantizer_attributes"],
 )  # fmt: skip
 def test_moved_internal_paths_are_gone(old):
     """Internal modules that moved have no shim at their old path (their public names did not move:
@@ -118,7 +166,44 @@ def test_moved_internal_paths_are_gone(old):
 
 def test_export_names_the_packers_of_quantization():
     import modelopt_lite.export as export
-    from modelopt_lite.quantization import packers
+    from modelopt_lite.quantization.compress import packers
 
     for name in ("PACKERS", "Packer", "get_packer", "register_packer"):
         assert getattr(export, name) is getattr(packers, name)
+
+
+_DOTTED = re.compile(r"\bmodelopt_lite(?:\.[A-Za-z_]\w*)+")
+
+
+def resolves(dotted: str) -> bool:
+    """Whether ``dotted`` names a module of the library, or an attribute of one (the longest importable
+    prefix, then attributes)."""
+    parts = dotted.split(".")
+    for k in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:k]))
+        except ModuleNotFoundError:
+            continue
+        for part in parts[k:]:
+            if not hasattr(obj, part):
+                return False
+            obj = getattr(obj, part)
+        return True
+    return False
+
+
+def test_every_library_path_the_docs_name_resolves():
+    """The module and name paths that README.md, docs/ and examples/ name (``modelopt_lite.x.y``) are still
+    there: a module that moved is named at its new path, in the pages as in the code."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    pages += sorted((ROOT / "examples").rglob("*.py"))
+    found = {
+        (page.relative_to(ROOT).as_posix(), dotted)
+        for page in pages
+        for dotted in _DOTTED.findall(page.read_text(encoding="utf-8"))
+        if not dotted.startswith("modelopt_lite.examples.")  # the examples' logger names
+    }
+    assert len(found) > 10
+    stale = sorted(f"{page}: {dotted}" for page, dotted in found if not resolves(dotted))
+    assert not stale, "\n".join(stale)
+    assert not resolves("modelopt_lite.quantization.packers.get_packer")

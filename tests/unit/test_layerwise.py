@@ -10,15 +10,11 @@ import torch
 from torch import nn
 
 import modelopt_lite.quantization as mtq
-from modelopt_lite.quantization import layerwise as layerwise_mod
-from modelopt_lite.quantization import smoothquant as smoothquant_mod
-from modelopt_lite.quantization.calibrate import (
-    _ALGORITHMS,
-    calibration_mode,
-    max_calibrate,
-    run_forward_loop,
-)
-from modelopt_lite.quantization.layers import blocks, capture, linear_targets
+from modelopt_lite.quantization.algorithms import smoothquant as smoothquant_mod
+from modelopt_lite.quantization.calibration import layerwise as layerwise_mod
+from modelopt_lite.quantization.calibration.calibrate import _ALGORITHMS, run_forward_loop
+from modelopt_lite.quantization.calibration.max_calib import calibration_mode, max_calibrate
+from modelopt_lite.quantization.calibration.targets import blocks, capture, linear_targets
 
 from ._models import VOCAB, batches, tiny_llama, tiny_qwen3_moe
 

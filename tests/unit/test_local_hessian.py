@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import modelopt_lite.quantization as mtq
-from modelopt_lite.quantization.mse import fp8_scale_candidates, search_options
+from modelopt_lite.quantization.algorithms.mse import fp8_scale_candidates, search_options
 
 from ._models import batches, tiny_llama
 from .test_nvfp4_static import expected_static

@@ -70,3 +70,32 @@ def test_the_runner_fails_when_an_example_stops_working():
         run_blocks(good.replace("'a'\n```", "'b'\n```"), "bad")
     with pytest.raises(AssertionError, match="only python and pycon"):
         run_blocks("```text\n>>> 1\n```\n", "bad")
+
+
+_MTQ_NAME = re.compile(r"\bmtq\.([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)")
+_IMPORT_LINE = re.compile(r"^\| `[^`]*` \| `((?:import|from) modelopt_lite[^`]*)` \|$", re.M)
+
+
+def test_every_mtq_name_the_page_lists_exists():
+    """``import modelopt_lite.quantization as mtq; mtq.<name>`` for every ``mtq.<name>`` the page names
+    (presets, config classes, entry points, ``mtq.nn.*``, ``mtq.calib.*``, ``mtq.tensor_quant``)."""
+    import modelopt_lite.quantization as mtq
+
+    names = sorted(set(_MTQ_NAME.findall(PAGE.read_text(encoding="utf-8"))))
+    assert len(names) >= 25, names
+    missing = []
+    for dotted in names:
+        obj = mtq
+        for part in dotted.split("."):
+            if not hasattr(obj, part):
+                missing.append(f"mtq.{dotted}")
+                break
+            obj = getattr(obj, part)
+    assert not missing, missing
+
+
+def test_every_import_line_of_the_page_runs():
+    lines = _IMPORT_LINE.findall(PAGE.read_text(encoding="utf-8"))
+    assert len(lines) >= 6, lines
+    for line in lines:
+        exec(compile(line, "docs/migrating.md (the import lines)", "exec"), {})

@@ -5,8 +5,9 @@ new buffer while something still references the old one, and nothing kept outsid
 import pytest
 import torch
 
-from modelopt_lite.formats import fused, nvfp4_fake_quant
+from modelopt_lite.formats import nvfp4_fake_quant
 from modelopt_lite.formats._chunks import CHUNK_ELEMENTS
+from modelopt_lite.formats.kernels import fused
 from modelopt_lite.moe import QuantExperts
 
 from .test_moe_batched_quant import _check_against_loop, _experts

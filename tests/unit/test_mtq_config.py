@@ -7,7 +7,7 @@ import yaml
 
 import modelopt_lite.quantization as mtq
 from modelopt_lite.quantization import QuantizeConfig, QuantRule
-from modelopt_lite.quantization.recipes import Recipe, _packaged
+from modelopt_lite.quantization.config.recipes import Recipe, _packaged
 
 RECIPES = [
     "general/ptq/fp8_default-kv_fp8",

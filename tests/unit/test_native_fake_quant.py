@@ -18,8 +18,8 @@ from modelopt_lite.formats import (
     resolve_format,
     set_native_fake_quant,
 )
-from modelopt_lite.formats import native as native_mod
 from modelopt_lite.formats.functional import dispatch_fake_quant
+from modelopt_lite.formats.kernels import native as native_mod
 
 from ._fast_paths import (
     check_failure_warns_once_then_reference,

@@ -15,7 +15,7 @@ from modelopt_lite.export import export_hf_checkpoint
 from modelopt_lite.formats import fake_quant, nvfp4_fake_quant, resolve_format
 from modelopt_lite.formats.nvfp4 import nvfp4_static_fake_quant
 from modelopt_lite.nn import TensorQuantizer
-from modelopt_lite.quantization.packers import NVFP4Packer
+from modelopt_lite.quantization.compress.packers import NVFP4Packer
 
 from ._export_cases import tensors
 from ._models import batches, tiny_llama

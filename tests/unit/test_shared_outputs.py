@@ -12,7 +12,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from modelopt_lite import quantization as mtq
 from modelopt_lite.formats import native_call_count
-from modelopt_lite.nn import TensorQuantizer, shared_outputs
+from modelopt_lite.nn import TensorQuantizer
+from modelopt_lite.nn.quantizer import shared_outputs
 
 CFG = LlamaConfig(
     hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

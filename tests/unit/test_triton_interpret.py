@@ -17,7 +17,7 @@ from modelopt_lite.formats import (  # noqa: E402
     nvfp4_fake_quant,
     resolve_format,
 )
-from modelopt_lite.formats import triton_kernels as tk  # noqa: E402
+from modelopt_lite.formats.kernels import triton_kernels as tk  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -103,7 +103,7 @@ def common(
         if text is not None:
             p.add_argument(flag, metavar="F", help=text)
     if reference is not None:
-        text = f"{reference} (default ${REFERENCE_PYTHON_ENV}; without either, skipped)"
+        text = f"{reference} (default ${REFERENCE_PYTHON_ENV})"
         p.add_argument("--reference-python", metavar="PY", default=default_reference_python(), help=text)
     return p
 
@@ -187,6 +187,19 @@ def tiny_model(arch: str = "Llama", seed: int | None = 0, **config: Any) -> Any:
     if seed is not None:
         torch.manual_seed(seed)
     return getattr(transformers, f"{arch}ForCausalLM")(cfg).float()
+
+
+def cpu_training_args(output_dir: str, steps: int, batch: int, lr: float) -> Any:
+    """The ``transformers.TrainingArguments`` of the step benchmarks: ``steps`` optimizer steps of ``batch``
+    samples at ``lr`` (AdamW, linear schedule), on the CPU, seed 0, logging every step, no saving, no
+    reporting, no progress bar, no data-loader workers."""
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=output_dir, max_steps=steps, per_device_train_batch_size=batch, learning_rate=lr,
+        report_to=[], save_strategy="no", logging_steps=1, use_cpu=True, seed=0, disable_tqdm=True,
+        dataloader_num_workers=0,
+    )  # fmt: skip
 
 
 def random_batches(count: int, shape: tuple[int, ...], vocab: int, seed: int = 1234) -> list[Any]:
@@ -559,6 +572,13 @@ def run_child_when_quiet(
 # ---------------------------------------------------------------------------------------------- output
 
 
+def print_failures(results: Iterable[tuple[str, dict | None]]) -> None:
+    """After the tables: the traceback (else the error) of every entry that failed."""
+    for name, res in results:
+        if res is not None and "error" in res:
+            print(f"\n{name} failed:\n{res.get('traceback') or res['error']}")
+
+
 def log(text: str) -> None:
     """A progress line on stderr (stdout carries a child's result)."""
     print(text, file=sys.stderr, flush=True)
@@ -609,6 +629,31 @@ def time_stats(seconds: Iterable[float]) -> dict[str, float]:
     """``{"median_s": ..., "min_s": ...}`` of some timings."""
     values = list(seconds)
     return {"median_s": statistics.median(values), "min_s": min(values)}
+
+
+def pool(results: dict[str, dict], seconds: Callable[[dict], Iterable[float]], **medians: Callable) -> None:
+    """Summarize each entry of ``results`` that did not fail (``{"runs": [...]}``, no ``error``): the
+    :func:`time_stats` of ``seconds(run)`` over all its runs, ``loaded_runs`` (runs flagged ``loaded``) and,
+    per keyword, the median over its runs of ``medians[key](run)``."""
+    for out in results.values():
+        if "error" not in out:
+            runs = out["runs"]
+            out.update(
+                time_stats(t for r in runs for t in seconds(r)), loaded_runs=sum(r["loaded"] for r in runs)
+            )
+            out.update({key: statistics.median(f(r) for r in runs) for key, f in medians.items()})
+
+
+def fmt_cell(m: dict | None, spec: str = ".3f", limit: int | None = None) -> str:
+    """A table cell of a :func:`time_stats` dict: ``median (min)``; ``skipped`` for None, ``> N (stopped)``
+    for a child stopped at its timeout, ``n/a (reason: ...)`` (the reason cut to ``limit``) for an error."""
+    if m is None:
+        return "skipped"
+    if "timed_out_s" in m:
+        return f"> {m['timed_out_s']:.0f} (stopped)"
+    if "error" in m:
+        return f"n/a (reason: {m['error'][:limit]})"
+    return fmt_median_min(m, spec)
 
 
 def fmt_median_min(m: dict, spec: str = ".3f") -> str:

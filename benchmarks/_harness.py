@@ -596,10 +596,14 @@ def write_text(path: str | os.PathLike[str] | None, text: str) -> None:
         Path(path).write_text(text.rstrip("\n") + "\n")
 
 
-def table_head(*columns: str, align: Sequence[str] | None = None) -> str:
-    """The first two lines of a markdown table: ``| a | b |`` and ``|---|---|`` (or ``align``'s rules)."""
-    rules = align or ["---"] * len(columns)
-    return "| " + " | ".join(columns) + " |\n|" + "".join(f"{r}|" for r in rules)
+def table_head(header: str) -> str:
+    """A markdown table's header line ``| a | b |`` and its rule ``|---|---|``."""
+    return header + "\n|" + "---|" * (header.count("|") - 1)
+
+
+def table_row(*cells: Any) -> str:
+    """``| a | b |``: one line of a markdown table."""
+    return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
 def pyplot() -> Any:
@@ -617,6 +621,18 @@ def save_figure(fig: Any, path: str, dpi: int = 110) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=dpi)
     pyplot().close(fig)
+
+
+def run_meta(script: str, argv: Sequence[str] | None, wall: float) -> dict[str, Any]:
+    """What a result file says of its run: ``command``, ``date``, the ``torch`` and ``transformers``
+    versions and ``wall_seconds``."""
+    import torch
+    import transformers
+
+    return {
+        "command": command(script, argv), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+        "transformers": transformers.__version__, "wall_seconds": round(wall, 1),
+    }  # fmt: skip
 
 
 def command(script: str, argv: Sequence[str] | None) -> str:
@@ -667,6 +683,6 @@ def fmt_ratio(a: dict, b: dict) -> str:
     return f"{r['median']:.2f}x ({r['min']:.2f}x)"
 
 
-def fmt_or_na(x: float | None, spec: str = ".3f") -> str:
-    """``x`` formatted with ``spec``, or ``n/a`` for None."""
-    return "n/a" if x is None else format(x, spec)
+def fmt_or_na(x: float | None, spec: str = ".3f", na: str = "n/a") -> str:
+    """``x`` formatted with ``spec``, or ``na`` for None (or a NaN)."""
+    return na if x is None or (isinstance(x, float) and x != x) else format(x, spec)

@@ -33,6 +33,7 @@ rows show ``n/a`` for it.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 
 import _harness as h
 import torch
@@ -172,18 +173,21 @@ def _print_row(row: dict, numel: int) -> None:
         ("fused_equals_eager", " FUSED != EAGER"),
     )
     line += "".join(text for key, text in flags if not row[key])
-    if "ref_s" in row:
-        ref = row["ref_s"]
-        line += (
-            f" | ref {_mels(numel, min(ref)):6.0f}/{_mels(numel, statistics.median(ref)):6.0f}"
-            f" native/ref x{statistics.median(ref) / med['native']:5.2f} (med)"
-            f" x{min(ref) / low['native']:5.2f}"
-            f" (min) eager/ref x{statistics.median(ref) / med['eager']:5.2f} (med)"
-            f" | bit-identical: {row['bit_identical']}"
-        )
-    elif "ref_error" in row:
-        line += f" | ref n/a ({row['ref_error']})"
+    line += reference_part(row, "ref", lambda ref: (
+        f" | ref {_mels(numel, min(ref)):6.0f}/{_mels(numel, statistics.median(ref)):6.0f}"
+        f" native/ref x{statistics.median(ref) / med['native']:5.2f} (med) x{min(ref) / low['native']:5.2f}"
+        f" (min) eager/ref x{statistics.median(ref) / med['eager']:5.2f} (med)"
+        f" | bit-identical: {row['bit_identical']}"
+    ))  # fmt: skip
     print(line, flush=True)
+
+
+def reference_part(row: dict, key: str, text: Callable[[list[float]], str]) -> str:
+    """The reference library's part of a printed row: ``text`` of its timings ``row[key + "_s"]``, or why it
+    has none (``row[key + "_error"]``), or nothing when it did not run."""
+    if f"{key}_s" in row:
+        return text(row[f"{key}_s"])
+    return f" | {key} n/a ({row[key + '_error']})" if f"{key}_error" in row else ""
 
 
 def main() -> None:

@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import _harness as h
 import torch
-from fake_quant import CASES, _reference_quantizer  # sibling benchmark: the same cases
+from fake_quant import CASES, _reference_quantizer, reference_part  # sibling benchmark: the same cases
 
 from modelopt_lite.formats import fake_quant, reduce_amax, resolve_format
 from modelopt_lite.formats.functional import fake_quant_reference
@@ -114,14 +114,10 @@ def _print_row(row: dict, peak_gbs: float | None) -> None:
         line += f" | kernel of peak {gbs['kernel'] / peak_gbs:4.2f}"
     if not row["kernel_equals_reference"]:
         line += " | KERNEL != REFERENCE"
-    if "modelopt_s" in row:
-        mo = statistics.median(row["modelopt_s"])
-        line += (
-            f" | modelopt {row['bytes'] / mo / 1e9:7.1f} GB/s, kernel / modelopt x{mo / med['kernel']:5.2f}"
-            f" | bit-identical: {row['bit_identical_to_modelopt']}"
-        )
-    elif "modelopt_error" in row:
-        line += f" | modelopt n/a ({row['modelopt_error']})"
+    line += reference_part(row, "modelopt", lambda t: (
+        f" | modelopt {row['bytes'] / statistics.median(t) / 1e9:7.1f} GB/s, kernel / modelopt "
+        f"x{statistics.median(t) / med['kernel']:5.2f} | bit-identical: {row['bit_identical_to_modelopt']}"
+    ))  # fmt: skip
     print(line, flush=True)
 
 

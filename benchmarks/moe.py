@@ -261,8 +261,8 @@ def _print_memory(mem: dict[str, dict], mmap_threshold: int, mem_repeats: int) -
     ebytes = next((r["expert_bytes"] for m in ("pass", "nopass") for r in mem[m]["runs"]), None)
     emb = ebytes / 2**20 if ebytes else None
     print(f"expert weights (all QuantExperts gate_up_proj + down_proj, fp32): {h.fmt_or_na(emb, '.1f')} MB\n")
-    print("| measurement | baseline RSS MB | peak increase MB | minus plain fwd MB | % of expert weights |")
-    print("|---|---|---|---|---|")
+    cols = "baseline RSS MB | peak increase MB | minus plain fwd MB | % of expert weights"
+    print(h.table_head(f"| measurement | {cols} |"))
     plain = mem["plain"].get("increase_mb")
     adds: dict[str, float | None] = {}
     for mode, m in mem.items():
@@ -359,12 +359,11 @@ def main() -> None:
 
     print("\n### QAT step time (forward + backward + AdamW step), seconds per step\n")
     cols = "median s | min s | vs unquantized (median / min) | CPU s, vs unquantized"
-    print(f"| path | experts implementation | {cols} |")
-    print("|---|---|---|---|---|---|")
+    print(h.table_head(f"| path | experts implementation | {cols} |"))
     base = steps["baseline"]
     for path, res in steps.items():
         if "error" in res:
-            print(f"| {LABELS[path]} | n/a | n/a (reason: {res['error']}) | | | |")
+            print(h.table_row(LABELS[path], "n/a", f"n/a (reason: {res['error']})", "", "", ""))
             continue
         vs = cpu_vs = "n/a"
         if "error" not in base:

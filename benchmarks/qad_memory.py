@@ -213,12 +213,12 @@ def main() -> None:
         f"baseline = VmRSS after the warm-up step, gc and malloc_trim (method: {method}); "
         f"MALLOC_MMAP_THRESHOLD_={args.mmap_threshold or 'glibc default'}\n"
     )
-    print("| mode | chunk size | baseline RSS MB | peak increase MB | vs unchunked | s/step | vs unchunked |")
-    print("|---|---|---|---|---|---|---|")
+    cols = "baseline RSS MB | peak increase MB | vs unchunked | s/step | vs unchunked"
+    print(h.table_head(f"| mode | chunk size | {cols} |"))
     ref = results["unchunked"]
     for mode, m in results.items():
         if "error" in m:
-            print(f"| {LABELS[mode]} | | n/a (reason: {m['error']}) | | | | |")
+            print(h.table_row(LABELS[mode], "", f"n/a (reason: {m['error']})", "", "", "", ""))
             continue
         chunk = "-" if mode == "qat" else str(m["runs"][0]["chunk"])
         mem_ratio = time_ratio = "n/a"

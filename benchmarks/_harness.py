@@ -1,29 +1,24 @@
-"""The one harness of the benchmark scripts: what every script would otherwise write again (standard library).
+"""The one harness of the benchmark scripts (standard library; torch and transformers imported on use).
 
-The scripts import it as a sibling module (``import _harness as h``): Python puts a script's own folder
-first on ``sys.path``, so this works for ``python benchmarks/X.py`` from the repository root, for
-``cd benchmarks && python X.py``, and in children that a script starts under another interpreter (the
-nvidia-modelopt reference) from another working directory. It imports neither torch nor this library at
-module level (the model builders import torch and transformers when called).
+Each script imports it as a sibling module (``import _harness as h``: Python puts a script's own folder first
+on ``sys.path``), also in children started under another interpreter (a peer library's virtualenv) from
+another working directory. What it holds, so that no script writes it again:
 
-* Arguments: :func:`parser` (the description is the script's question, the first docstring line),
-  :func:`common` (``--threads``, ``--repeats``, ``--quick``, ``--seed``, ``--json`` / ``--md`` / ``--png``,
-  ``--reference-python``), :func:`load_flags` (``--max-other-load``, ``--max-wait``, ``--retries``,
-  ``--mmap-threshold``), :func:`real_model_flags`, :func:`hidden` (a child's flags), :func:`csv`.
-* Setting up and building: :func:`pin_threads`, :func:`tiny_model`, :func:`random_batches`.
-* Timing: :func:`time_calls`, :func:`time_interleaved`, :func:`time_stats`, :func:`ratio`; load from other
-  processes: :class:`CpuMark`, :func:`wait_quiet`, :func:`timed_train_step`.
-* Peak memory (Linux ``/proc``): :func:`status_mb`, :func:`peak_rss_mb`, :func:`reset_peak_rss`,
-  :func:`malloc_trim`.
-* Peer virtualenvs: :func:`default_reference_python`, :func:`no_reference_python`, :func:`probe_error`,
-  :func:`reference_usable`, :func:`borrow` (lend this interpreter's packages to one that lacks them),
-  :func:`make_venv`.
-* The child-process protocol: a child prints its result as one line ``@@RESULT <json>``
-  (:func:`emit_result`, :func:`run_and_emit`, :func:`error_result`); the parent starts it with
-  :func:`child_env` and reads it back with :func:`run_child`, :func:`parse_results` or
-  :func:`run_child_when_quiet` (which also reruns a child that other processes disturbed).
-* Output: :func:`write_json`, :func:`write_text`, :func:`table_head`, :func:`pyplot` / :func:`save_figure`,
-  :func:`command`, :func:`fmt_median_min`, :func:`fmt_ratio`, :func:`fmt_or_na`, :func:`log`.
+* arguments: :func:`parser` (the description: the script's question), :func:`common` (``--threads``,
+  ``--repeats``, ``--quick``, ``--seed``, ``--json`` / ``--md`` / ``--png``, ``--reference-python``),
+  :func:`load_flags`, :func:`real_model_flags`, :func:`hidden` (a child's flags), :func:`csv`;
+* setting up and models: :func:`pin_threads`, :func:`tiny_model`, :func:`random_batches`,
+  :func:`cpu_training_args`;
+* timing: :func:`time_calls`, :func:`time_interleaved`, :func:`time_stats`, :func:`pool`, :func:`ratio`,
+  :class:`CpuMark` and :func:`wait_quiet` (load from other processes), :func:`timed_train_step`;
+* memory (``/proc``): :func:`status_mb`, :func:`peak_rss_mb`, :func:`reset_peak_rss`, :func:`malloc_trim`;
+* peers' virtualenvs: :func:`default_reference_python`, :func:`reference_usable`, :func:`borrow`,
+  :func:`make_venv`;
+* children: one ``@@RESULT <json>`` line (:func:`run_and_emit`, :func:`emit_result`, :func:`error_result`),
+  read back by :func:`run_child`, :func:`parse_results`, :func:`run_child_when_quiet` (which reruns a child
+  that other processes disturbed), with :func:`child_env`;
+* output: :func:`write_json`, :func:`write_text`, :func:`table_head` / :func:`table_row`, :func:`pyplot` /
+  :func:`save_figure`, :func:`run_meta`, :func:`command`, the ``fmt_*`` cells, :func:`print_failures`.
 """
 
 from __future__ import annotations
@@ -73,17 +68,10 @@ def _help_default(value: Any, default_help: str) -> tuple[Any, str]:
 
 
 def common(
-    p: argparse.ArgumentParser,
-    *,
-    threads: int | list[int] | tuple[Any, str] | None = None,
-    repeats: int | tuple[int, str] | None = None,
-    quick: str | None = None,
-    seed: int | None = None,
-    json: str | None = None,
-    md: str | None = None,
-    png: str | None = None,
+    p: argparse.ArgumentParser, *, threads: Any = None, repeats: Any = None, quick: str | None = None,
+    seed: int | None = None, json: str | None = None, md: str | None = None, png: str | None = None,
     reference: str | None = None,
-) -> argparse.ArgumentParser:
+) -> argparse.ArgumentParser:  # fmt: skip
     """The flags the scripts share, each added when its argument is not None: ``--threads N`` (a list: one
     or more thread counts), ``--repeats N``, ``--quick`` (``quick`` is its help: what the smoke run cuts),
     ``--seed N``, ``--json`` / ``--md`` / ``--png F`` (the argument is the help), ``--reference-python PY``
@@ -109,13 +97,9 @@ def common(
 
 
 def load_flags(
-    p: argparse.ArgumentParser,
-    *,
-    max_wait: float | None = None,
-    retries: int | tuple[int, str] | None = None,
-    mmap_threshold: str | None = None,
-    max_other: float | None = 0.25,
-) -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser, *, max_wait: float | None = None, retries: Any = None,
+    mmap_threshold: str | None = None, max_other: float | None = 0.25,
+) -> argparse.ArgumentParser:  # fmt: skip
     """Flags of the scripts that guard their timings against other processes: ``--max-other-load`` (rerun
     or flag a run during which other processes kept more cores busy), ``--max-wait`` (s to wait for a quiet
     machine per run), ``--retries`` and ``--mmap-threshold`` (``MALLOC_MMAP_THRESHOLD_`` of the children,
@@ -134,12 +118,12 @@ def load_flags(
     return p
 
 
-def real_model_flags(p: argparse.ArgumentParser, *, calib_size: int = 32) -> argparse.ArgumentParser:
+def real_model_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """A real pretrained model and its windows: ``--model``, ``--model-dir``, ``--calib-size``,
     ``--calib-seq``, ``--batch-size``, ``--eval-seq``."""
     p.add_argument("--model", default="smollm2-135m", help="a real model of modelopt_lite.models.REAL_MODELS")
     p.add_argument("--model-dir", help="a Hugging Face checkpoint folder instead of --model")
-    p.add_argument("--calib-size", type=int, default=calib_size)
+    p.add_argument("--calib-size", type=int, default=32)
     p.add_argument("--calib-seq", type=int, default=512)
     p.add_argument("--batch-size", type=int, default=4, help="calibration and evaluation batch")
     p.add_argument("--eval-seq", type=int, default=512)
@@ -251,13 +235,9 @@ def ratio(slow: dict, fast: dict) -> dict[str, float]:
 # ------------------------------------------------------------------------------------- load from others
 
 
-#: The reference interpreter (a virtualenv with nvidia-modelopt) of the side-by-side benchmarks, when
-#: ``--reference-python`` is not given; without either, the reference side is skipped.
-REFERENCE_PYTHON_ENV = "MODELOPT_REFERENCE_PYTHON"
-
-
-#: torchao's interpreter (a virtualenv with torchao), when ``--torchao-python`` is not given.
-TORCHAO_PYTHON_ENV = "TORCHAO_PYTHON"
+#: The interpreters (virtualenvs) of nvidia-modelopt and torchao when ``--reference-python`` /
+#: ``--torchao-python`` are not given; without either, that side is skipped.
+REFERENCE_PYTHON_ENV, TORCHAO_PYTHON_ENV = "MODELOPT_REFERENCE_PYTHON", "TORCHAO_PYTHON"
 
 
 def default_reference_python(env: str = REFERENCE_PYTHON_ENV) -> str | None:

@@ -87,9 +87,10 @@ def _activations_roundtrip(result: dict[str, Any]) -> list[str]:
         "itself with its static activation amax replaced by the one the reload recovers (stored scale * "
         "max, within an ulp), and how many changed.",
         "",
-        "| row | quant_algo | KV cache | full fake ppl | dequantized + act. ppl | rel. diff "
-        "| compressed + act. ppl | rel. diff | fake, recovered amax: rel. diff (amax changed) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        h.table_head(
+            "| row | quant_algo | KV cache | full fake ppl | dequantized + act. ppl | rel. diff "
+            "| compressed + act. ppl | rel. diff | fake, recovered amax: rel. diff (amax changed) |"
+        ),
     ]
     for row in rows:
         d, c = row.get("dequantized_act") or {}, row.get("compressed_act") or {}
@@ -117,9 +118,10 @@ def markdown(result: dict[str, Any]) -> str:
         f"Model: {meta['model']}. Calibration: {meta['calibration']}. Evaluation: {meta['evaluation']}.  ",
         f"Unquantized test perplexity: **{base['ppl']:.4f}**.",
         "",
-        "| row | ours ppl | ref ppl (fake quant) | ref ppl (exported) | ours vs ref | ours KL | ref KL "
-        "| ours top-1 | ref top-1 | ours MB | ref MB | ours calib s | ref calib s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        h.table_head(
+            "| row | ours ppl | ref ppl (fake quant) | ref ppl (exported) | ours vs ref | ours KL | ref KL "
+            "| ours top-1 | ref top-1 | ours MB | ref MB | ours calib s | ref calib s |"
+        ),
     ]
     comp = _by_name(result.get("comparison") or comparison(result))
     rt = next(
@@ -146,9 +148,10 @@ def markdown(result: dict[str, Any]) -> str:
             "tied `lm_head` was written. KV-cache rows are not reloaded (their weights are their base "
             "row's).",
             "",
-            "| row | quant_algo | weight-only fake ppl | dequantized ppl | rel. diff | compressed ppl "
-            "| rel. diff | lm_head |",
-            "|---|---|---|---|---|---|---|---|",
+            h.table_head(
+                "| row | quant_algo | weight-only fake ppl | dequantized ppl | rel. diff | compressed ppl "
+                "| rel. diff | lm_head |"
+            ),
         ]
         for row in result["ours"]:
             if row.get("kv") not in (None, "none") or (
@@ -173,7 +176,7 @@ def markdown(result: dict[str, Any]) -> str:
     tao = result["peers"].get("torchao", {}).get("rows", [])
     if tao:
         lines += ["", "torchao `quantize_` (every linear but `lm_head`):", ""]
-        lines += ["| row | config | ppl | KL | top-1 | quantize s |", "|---|---|---|---|---|---|"]
+        lines += [h.table_head("| row | config | ppl | KL | top-1 | quantize s |")]
         for r in tao:
             lines.append(f"| {r['name']} | `{r.get('desc')}` | {_ppl_cell(r)} | {_f(r.get('kl'), '.4f')} | "
                          f"{_f(r.get('top1'), '.4f')} | {_f(r.get('calib_s'), '.1f')} |")  # fmt: skip

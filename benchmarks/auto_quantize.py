@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
 def _summarize(rows: list[dict[str, Any]], formats: list[str]) -> None:
     by = {r["row"]: r for r in rows}
     nvfp4, fp8 = by.get(f"uniform {formats[0]}"), by.get(f"uniform {formats[-1]}")
-    print("| row | bits | val ppl | test ppl | removed (test) |\n|---|---|---|---|---|")
+    print(h.table_head("| row | bits | val ppl | test ppl | removed (test) |"))
     for r in rows:
         if "test_ppl" not in r:
             peak = f", {r['peak_mb']} MB extra peak RSS" if "peak_mb" in r else ""

@@ -143,7 +143,7 @@ def _pct(x: float | None) -> str:
 def table(rows: list[dict[str, Any]]) -> str:
     head = ("| kind | params | build s | val ppl | test ppl | nvfp4 val ppl | nvfp4 val gap | nvfp4 test gap "
             "| +fp8 kv val gap | ft lr | ft val gain |")  # fmt: skip
-    lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
+    lines = [h.table_head(head)]
     for r in rows:
         lines.append(
             f"| {r['kind']} | {r['parameters'] / 1e6:.2f}M | {r.get('build_seconds', '-')} "

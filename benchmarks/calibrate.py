@@ -214,13 +214,10 @@ def main() -> None:
         ours, ref = measured["ours"], measured.get("ref")
         rows.append({"config": config, "threads": args.threads, "repeats": repeats, "ours": ours, "ref": ref})
 
-    header = (
+    print("\n" + h.table_head(
         "| config | ours median s (min) | ref median s (min) | time ratio ours/ref "
         "| ours peak RSS MB (+delta) | ref peak RSS MB (+delta) | RSS-delta ratio |"
-    )
-    print()
-    print(header)
-    print("|" + "---|" * 7)
+    ))  # fmt: skip
     for row in rows:
         ours, ref = row["ours"], row["ref"]
         ok_o, ok_r = "error" not in ours, ref is not None and "error" not in ref

@@ -230,11 +230,10 @@ def main() -> None:
         return ", ".join(f"gen{g}: {v['count']}" for g, v in sorted(a.items())) or "none"
 
     print(f"\n### gc.collect() before each training step ({CONFIG} Llama, {layers} layers), ms per step\n")
-    print(
+    print(h.table_head(
         "| policy | objects the collection walks | collections | median ms | min ms | no-freeze / this "
         "(median) | unreachable found per collection | automatic collections in the steps | others busy |"
-    )
-    print("|" + "---|" * 9)
+    ))  # fmt: skip
     rows = [
         ("no freeze: `before_step()` only", f"{tracked:,}", nf),
         (

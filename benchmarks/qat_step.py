@@ -381,8 +381,7 @@ def _main_interleaved(args, configs: list[str], mallocs: list[str]) -> None:
         f"\n### Interleaved in one process per setting: median (min) of {n} steps; ratios to the plain "
         "`Trainer` of the same processes (medians (mins))\n"
     )
-    print("| trainer | allocator | wall s / step | / plain | CPU s / step | / plain |")
-    print("|---|---|---|---|---|---|")
+    print(h.table_head("| trainer | allocator | wall s / step | / plain | CPU s / step | / plain |"))
     for malloc, rows in pooled.items():
         base = {k: h.time_stats(rows["plain"][k]) for k in ("times", "cpu")}
         for name, r in rows.items():
@@ -586,15 +585,10 @@ def main() -> None:
         "setting\n"
     )
     head = "| trainer, recipe |"
-    rule = "|---|"
     for m in mallocs:
         label = "glibc as it comes" if m == "off" else "malloc_tuning on"
         head += f" s/step, {label} | / plain ({m}) |"
-        rule += "---|---|"
-    if len(mallocs) == 2:
-        head += " on / off |"
-        rule += "---|"
-    print(head + "\n" + rule)
+    print(h.table_head(head + (" on / off |" if len(mallocs) == 2 else "")))
 
     def row(label: str, which: str, config: str) -> None:
         line = f"| {label} |"

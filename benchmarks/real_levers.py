@@ -339,11 +339,8 @@ def _pct(x: float | None) -> str:
 
 
 def table(result: dict[str, Any]) -> str:
-    head = (
-        "| row | validation ppl | test ppl | gap removed (test) | KL (test) | top-1 (test) | calibration s |"
-        "\n"
-        "|---|---|---|---|---|---|---|\n"
-    )
+    cols = "validation ppl | test ppl | gap removed (test) | KL (test) | top-1 (test) | calibration s"
+    head = h.table_head(f"| row | {cols} |") + "\n"
     f = result["float"]
     lines = [f"| unquantized | {f['validation']['ppl']:.2f} | {f['test']['ppl']:.2f} | | 0 | 1 | |"]
     for r in result["rows"]:

@@ -21,7 +21,8 @@ this interpreter's transformers like ``benchmarks/calibrate.py``) gets the same 
 "reduction" is ``1 - mse / mse(max)`` of the same preset and side: the share of max calibration's layer
 output error that the algorithm removes.
 
-Reference interpreter: without ``--reference-python`` the reference columns are skipped.
+Reference interpreter: ``--reference-python`` (default ``$MODELOPT_REFERENCE_PYTHON``); without either, the
+reference columns are skipped.
 ``--make-reference-venv DIR`` creates (or reuses) a virtual environment there, installs
 ``torch==<this interpreter's torch version>`` first, then ``nvidia-modelopt==0.47.0`` with
 ``transformers==<this interpreter's version>`` and ``requests`` (modelopt imports both without declaring
@@ -318,10 +319,7 @@ def main() -> None:
     h.common(parser, json="write the raw numbers here")
     parser.add_argument("--configs", help="comma-separated presets: only their rows (default: all)")
     ref_arg = parser.add_mutually_exclusive_group()
-    ref_arg.add_argument(
-        "--reference-python",
-        help="interpreter with nvidia-modelopt installed (reference columns skipped without)",
-    )
+    h.common(ref_arg, reference="interpreter with nvidia-modelopt installed (else no reference columns)")
     ref_arg.add_argument(
         "--make-reference-venv", metavar="DIR", help=f"create / reuse a venv in DIR with {REFERENCE_MODELOPT}"
     )

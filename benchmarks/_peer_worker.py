@@ -45,15 +45,11 @@ MODELOPT_PRESETS = {
 INT4_GROUP = 128
 
 
-def _log(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
-
-
 class Run:
     """The model, data and budget every row shares, and the rows measured so far."""
 
     def __init__(self, spec: dict[str, Any]):
-        accuracy.setup(spec["threads"])
+        h.pin_threads(spec["threads"])
         import torch
         from safetensors.torch import load_file
         from transformers import AutoModelForCausalLM
@@ -80,7 +76,7 @@ class Run:
             **extra,
         }
         self.rows.append(row)
-        _log(
+        h.log(
             f"  {name:<24} val ppl {row['val_ppl']:8.3f}  test ppl {row['test_ppl']:8.3f}  "
             f"KL {1e3 * row['kl']:7.3f}e-3  {extra.get('train_seconds', '')}"
         )
@@ -102,7 +98,7 @@ class Run:
             work()
         except Exception as err:  # a peer's failure is a result of this benchmark
             self.errors[key] = h.error_result(err, limit=400)["error"]
-            _log(f"  {key}: {self.errors[key]}")
+            h.log(f"  {key}: {self.errors[key]}")
 
 
 # ---------------------------------------------------------------------------------------------- torchao
@@ -294,7 +290,7 @@ def modelopt_moe_step(spec: dict[str, Any]) -> dict[str, Any]:
             times.append(seconds)
             cpu_s.append(cpu)
             loads.append(others)
-        _log(f"  reference step {i}: {seconds:.3f} s")
+        h.log(f"  reference step {i}: {seconds:.3f} s")
     return {
         "times": times,
         "cpu_s": cpu_s,
@@ -339,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
             return {"peer": a.peer, "versions": versions(a.peer), **STANDALONE[a.peer](spec)}
         run = Run(spec)
         for fmt in spec["formats"]:
-            _log(f"{a.peer} {fmt}")
+            h.log(f"{a.peer} {fmt}")
             run.guarded(f"{a.peer} {fmt}", lambda fmt=fmt: PEERS[a.peer](run, fmt))
         return {"peer": a.peer, "versions": versions(a.peer), "rows": run.rows, "errors": run.errors}
 

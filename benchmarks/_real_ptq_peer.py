@@ -10,8 +10,9 @@ log-probabilities on ``test``, one safetensors file per evaluation batch: :func:
 row is exported to ``export_root/<name>`` for its size, then removed; null: no export); for ``torchao``
 ``{"name", "config"}`` (a key of :data:`TORCHAO_CONFIGS`).
 
-Imports torch, safetensors, transformers and the peer library only (nothing of ``modelopt_lite``): every
-library's model is measured by :func:`measure` here, on the same windows against the same stored reference.
+Imports torch, safetensors, transformers, the peer library and ``_harness`` (nothing of ``modelopt_lite``):
+every library's model is measured by :func:`measure` here, on the same windows against the same stored
+reference.
 Each row is printed when done as one ``@@ROW <json>`` line (a row that raised carries its ``error``), so
 that a parent that stops a slow worker keeps the rows it finished; the last line is ``@@RESULT`` with the
 versions.
@@ -31,26 +32,9 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+import _harness as h
+
 ROW_PREFIX = "@@ROW "
-RESULT_PREFIX = "@@RESULT "
-
-
-def _log(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
-
-
-def error_text(err: BaseException, limit: int = 400) -> str:
-    """``Type: first line of the message``, cut to ``limit`` characters."""
-    first = (str(err).strip().splitlines() or [""])[0]
-    return f"{type(err).__name__}: {first}"[:limit]
-
-
-def emit(prefix: str, obj: dict[str, Any]) -> None:
-    print(prefix + json.dumps(obj), flush=True)
-
-
-def parse_lines(stdout: str, prefix: str) -> list[dict[str, Any]]:
-    return [json.loads(ln[len(prefix) :]) for ln in stdout.splitlines() if ln.startswith(prefix)]
 
 
 # ------------------------------------------------------------------------------------------ measurement
@@ -154,11 +138,11 @@ def _guarded_row(row: dict[str, Any], work: Any) -> None:
     try:
         work(row)
     except Exception as err:  # a peer's failure is a result of this benchmark
-        row["error"] = error_text(err)
+        row["error"] = h.error_text(err, 400)
         row["traceback"] = traceback.format_exc()[-3000:]
-        _log(f"  {row['name']}: {row['error']}")
+        h.log(f"  {row['name']}: {row['error']}")
     row["seconds"] = time.perf_counter() - start
-    emit(ROW_PREFIX, row)
+    h.emit_result(row, ROW_PREFIX)
 
 
 # --------------------------------------------------------------------------------------------- modelopt
@@ -191,7 +175,7 @@ def modelopt_rows(shared: Shared) -> None:
                 mtq.quantize(model, cfg, shared.forward_loop)
             row["calib_s"] = time.perf_counter() - start
             row.update(shared.measure(model))
-            _log(f"  {row['name']:<22} ppl {row['ppl']:.4f}  KL {row['kl']:.4e}  top1 {row['top1']:.4f}")
+            h.log(f"  {row['name']:<22} ppl {row['ppl']:.4f}  KL {row['kl']:.4e}  top1 {row['top1']:.4f}")
             try:  # what its export does to the model first, in place: the model it ships
                 before = _digest(model)
                 with torch.no_grad():
@@ -201,9 +185,9 @@ def modelopt_rows(shared: Shared) -> None:
                                        "top1": row["top1"]}  # fmt: skip
                 else:
                     row["exported"] = shared.measure(model)
-                    _log(f"  {row['name']:<22} as exported: ppl {row['exported']['ppl']:.4f}")
+                    h.log(f"  {row['name']:<22} as exported: ppl {row['exported']['ppl']:.4f}")
             except Exception as err:  # recorded; the fake-quant row stands
-                row["exported"] = {"error": error_text(err)}
+                row["exported"] = {"error": h.error_text(err, 400)}
             root = shared.spec.get("export_root")
             if root:
                 out = Path(root) / row["name"]
@@ -212,8 +196,8 @@ def modelopt_rows(shared: Shared) -> None:
                         export_hf_checkpoint(model, export_dir=str(out))
                     row["export_mb"] = sum(f.stat().st_size for f in out.glob("*.safetensors")) / 1e6
                 except Exception as err:  # recorded; the fake-quant row stands
-                    row["export_error"] = error_text(err)
-                    _log(f"  {row['name']} export: {row['export_error']}")
+                    row["export_error"] = h.error_text(err, 400)
+                    h.log(f"  {row['name']} export: {row['export_error']}")
                 shutil.rmtree(out, ignore_errors=True)
             del model
 
@@ -311,22 +295,12 @@ def torchao_rows(shared: Shared) -> None:
                 if isinstance(m, torch.nn.Linear)
             )
             row.update(shared.measure(model))
-            _log(f"  {row['name']:<22} ppl {row['ppl']:.4f}  KL {row['kl']:.4e}  top1 {row['top1']:.4f}")
+            h.log(f"  {row['name']:<22} ppl {row['ppl']:.4f}  KL {row['kl']:.4e}  top1 {row['top1']:.4f}")
 
         _guarded_row(row, work)
 
 
 PEERS = {"modelopt": modelopt_rows, "torchao": torchao_rows}
-
-
-def _peak_rss_mb() -> int | None:
-    """This process's peak RSS (Linux ``/proc``), or None."""
-    try:
-        with open("/proc/self/status") as f:
-            kb = next((int(ln.split()[1]) for ln in f if ln.startswith("VmHWM:")), None)
-    except OSError:
-        return None
-    return None if kb is None else round(kb / 1024)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -345,11 +319,11 @@ def main(argv: list[str] | None = None) -> int:
         result["versions"] = {"torch": torch.__version__, "transformers": transformers.__version__,
                               a.peer: lib.__version__}  # fmt: skip
         PEERS[a.peer](Shared(spec))
-        result["peak_rss_mb"] = _peak_rss_mb()
+        result["peak_rss_mb"] = h.peak_rss_mb()
     except Exception as err:
-        result["error"] = error_text(err)
+        result["error"] = h.error_text(err, 400)
         result["traceback"] = traceback.format_exc()[-3000:]
-    emit(RESULT_PREFIX, result)
+    h.emit_result(result)
     return 0
 
 

@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import textwrap
+from functools import partial
 from typing import Any
+
+import _harness as h
 
 GOAL = 0.005  # ours within 0.5% perplexity of the reference (its exported model where it has one)
 ROUNDTRIP_GOAL = 1e-3
 
 
-def _f(x: Any, spec: str) -> str:
-    return "—" if x is None else format(x, spec)
+_f = partial(h.fmt_or_na, na="—")
+
+
+def _ppl_cell(m: dict[str, Any]) -> str:
+    """A row's (or reload's) perplexity cell: ``error`` where it failed."""
+    return "error" if m.get("error") else _f(m.get("ppl"), ".4f")
 
 
 def _by_name(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -80,19 +87,19 @@ def _activations_roundtrip(result: dict[str, Any]) -> list[str]:
         "itself with its static activation amax replaced by the one the reload recovers (stored scale * "
         "max, within an ulp), and how many changed.",
         "",
-        "| row | quant_algo | KV cache | full fake ppl | dequantized + act. ppl | rel. diff "
-        "| compressed + act. ppl | rel. diff | fake, recovered amax: rel. diff (amax changed) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        h.table_head(
+            "| row | quant_algo | KV cache | full fake ppl | dequantized + act. ppl | rel. diff "
+            "| compressed + act. ppl | rel. diff | fake, recovered amax: rel. diff (amax changed) |"
+        ),
     ]
     for row in rows:
         d, c = row.get("dequantized_act") or {}, row.get("compressed_act") or {}
         rec = row.get("fake_recovered_amax_ppl") or {}
-        dppl = "error" if d.get("error") else _f(d.get("ppl"), ".4f")
-        cppl = "error" if c.get("error") else _f(c.get("ppl"), ".4f")
         lines.append(
             f"| {row['name']} | {row.get('quant_algo', '—')} | {row.get('kv_cache_quant_algo') or '—'} | "
-            f"{_f((row.get('full_fake_ppl') or {}).get('ppl'), '.4f')} | {dppl} | "
-            f"{_f(d.get('rel_ppl_vs_fake'), '.1e')} | {cppl} | {_f(c.get('rel_ppl_vs_fake'), '.1e')} | "
+            f"{_f((row.get('full_fake_ppl') or {}).get('ppl'), '.4f')} | {_ppl_cell(d)} | "
+            f"{_f(d.get('rel_ppl_vs_fake'), '.1e')} | {_ppl_cell(c)} | "
+            f"{_f(c.get('rel_ppl_vs_fake'), '.1e')} | "
             f"{_f(rec.get('rel_ppl_vs_fake'), '.1e')} ({rec.get('changed_amax', '—')}) |"
         )
     return lines
@@ -111,9 +118,10 @@ def markdown(result: dict[str, Any]) -> str:
         f"Model: {meta['model']}. Calibration: {meta['calibration']}. Evaluation: {meta['evaluation']}.  ",
         f"Unquantized test perplexity: **{base['ppl']:.4f}**.",
         "",
-        "| row | ours ppl | ref ppl (fake quant) | ref ppl (exported) | ours vs ref | ours KL | ref KL "
-        "| ours top-1 | ref top-1 | ours MB | ref MB | ours calib s | ref calib s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        h.table_head(
+            "| row | ours ppl | ref ppl (fake quant) | ref ppl (exported) | ours vs ref | ours KL | ref KL "
+            "| ours top-1 | ref top-1 | ours MB | ref MB | ours calib s | ref calib s |"
+        ),
     ]
     comp = _by_name(result.get("comparison") or comparison(result))
     rt = next(
@@ -122,13 +130,10 @@ def markdown(result: dict[str, Any]) -> str:
     for row in result["ours"]:
         r = ref.get(row["name"], {})
         c = comp[row["name"]]
-        ours = "error" if row.get("error") else _f(row.get("ppl"), ".4f")
-        rfake = "error" if r.get("error") else _f(r.get("ppl"), ".4f")
-        rexp = r.get("exported") or {}
-        rexp_s = "error" if rexp.get("error") else _f(rexp.get("ppl"), ".4f")
         vs = "—" if c["vs_reference"] is None else f"{100 * c['vs_reference']:+.2f}%"
         lines.append(
-            f"| {row['name']} | {ours} | {rfake} | {rexp_s} | {vs} | {_f(row.get('kl'), '.4f')} | "
+            f"| {row['name']} | {_ppl_cell(row)} | {_ppl_cell(r)} | {_ppl_cell(r.get('exported') or {})} "
+            f"| {vs} | {_f(row.get('kl'), '.4f')} | "
             f"{_f(r.get('kl'), '.4f')} | {_f(row.get('top1'), '.4f')} | {_f(r.get('top1'), '.4f')} | "
             f"{_f(row.get('export_mb'), '.0f')} | {_f(r.get('export_mb'), '.0f')} | "
             f"{_f(row.get('calib_s'), '.0f')} | {_f(r.get('calib_s'), '.0f')} |"
@@ -143,9 +148,10 @@ def markdown(result: dict[str, Any]) -> str:
             "tied `lm_head` was written. KV-cache rows are not reloaded (their weights are their base "
             "row's).",
             "",
-            "| row | quant_algo | weight-only fake ppl | dequantized ppl | rel. diff | compressed ppl "
-            "| rel. diff | lm_head |",
-            "|---|---|---|---|---|---|---|---|",
+            h.table_head(
+                "| row | quant_algo | weight-only fake ppl | dequantized ppl | rel. diff | compressed ppl "
+                "| rel. diff | lm_head |"
+            ),
         ]
         for row in result["ours"]:
             if row.get("kv") not in (None, "none") or (
@@ -160,22 +166,19 @@ def markdown(result: dict[str, Any]) -> str:
                 f"reloaded tied={head.get('reloaded_tied')}"
                 if head else row.get("export_error", "—")
             )  # fmt: skip
-            dppl = "error" if d.get("error") else _f(d.get("ppl"), ".4f")
-            cppl = "error" if c.get("error") else _f(c.get("ppl"), ".4f")
             lines.append(
                 f"| {row['name']} | {row.get('quant_algo', '—')} | "
-                f"{_f((row.get('weight_only_fake_ppl') or {}).get('ppl'), '.4f')} | {dppl} | "
-                f"{_f(d.get('rel_ppl_vs_fake'), '.1e')} | {cppl} | "
+                f"{_f((row.get('weight_only_fake_ppl') or {}).get('ppl'), '.4f')} | {_ppl_cell(d)} | "
+                f"{_f(d.get('rel_ppl_vs_fake'), '.1e')} | {_ppl_cell(c)} | "
                 + f"{_f(c.get('rel_ppl_vs_fake'), '.1e')} | {head_s} |"
             )
     lines += _activations_roundtrip(result)
     tao = result["peers"].get("torchao", {}).get("rows", [])
     if tao:
         lines += ["", "torchao `quantize_` (every linear but `lm_head`):", ""]
-        lines += ["| row | config | ppl | KL | top-1 | quantize s |", "|---|---|---|---|---|---|"]
+        lines += [h.table_head("| row | config | ppl | KL | top-1 | quantize s |")]
         for r in tao:
-            ppl = "error" if r.get("error") else _f(r.get("ppl"), ".4f")
-            lines.append(f"| {r['name']} | `{r.get('desc')}` | {ppl} | {_f(r.get('kl'), '.4f')} | "
+            lines.append(f"| {r['name']} | `{r.get('desc')}` | {_ppl_cell(r)} | {_f(r.get('kl'), '.4f')} | "
                          f"{_f(r.get('top1'), '.4f')} | {_f(r.get('calib_s'), '.1f')} |")  # fmt: skip
     errs = _errors(result)
     if errs:
@@ -188,11 +191,6 @@ def table(result: dict[str, Any]) -> str:
 
 
 def plot(result: dict[str, Any], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     base = result["baseline"]["ppl"]
     ref = _by_name(result["peers"].get("modelopt", {}).get("rows", []))
     names = [r["name"] for r in result["ours"]]
@@ -202,7 +200,7 @@ def plot(result: dict[str, Any], path: str) -> None:
         "reference (exported)": [_ppl(ref.get(n), "exported") for n in names],
     }
     tao = result["peers"].get("torchao", {}).get("rows", [])
-    fig, axes = plt.subplots(1, 2, figsize=(15, 6), gridspec_kw={"width_ratios": [3, 1]})
+    fig, axes = h.pyplot().subplots(1, 2, figsize=(15, 6), gridspec_kw={"width_ratios": [3, 1]})
     ax = axes[0]
     width = 0.27
     for i, (label, vals) in enumerate(series.items()):
@@ -224,6 +222,4 @@ def plot(result: dict[str, Any], path: str) -> None:
     ax.set_yscale("symlog", linthresh=1)
     ax.set_title("torchao quantize_ (CPU)")
     fig.suptitle(textwrap.fill(result["meta"]["command"], 230), fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    h.save_figure(fig, path)

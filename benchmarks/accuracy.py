@@ -1,7 +1,14 @@
-"""How much of the PTQ perplexity gap QAT and QAD win back, on the benchmark models (issue 14).
+"""How much of the PTQ perplexity gap do QAT and QAD win back, on the benchmark models and SmolLM2?
 
-    OMP_NUM_THREADS=2 python benchmarks/accuracy.py [--models bench-dense,bench-moe] [--seeds 0,1,2]
-        [--steps 200] [--lr 1e-4] [--budgets 100,200,400,800] [--rows ...] [--json F] [--png F] [--quick]
+Published in ``docs/accuracy.md`` (``docs/accuracy.json`` / ``.png``: the runs of its "Commands", then merged)
+and ``docs/real_qad.md`` (SmolLM2-135M; the command with each table), for example:
+
+    python benchmarks/accuracy.py --models bench-dense --threads 1 --steps 800 --seeds 1,2 --lr 1e-4 \\
+        --qad-lr 3e-4 --ptq nvfp4 --rows "qat nvfp4,qad nvfp4" --json dense800.json
+    python benchmarks/accuracy.py --merge dense.json moe.json dense800.json moe800.json dense1600a.json \\
+        dense1600b.json --json docs/accuracy.json --png docs/accuracy.png
+
+(``--quick``: 4 steps, 4 calibration / 4 evaluation windows, a smoke run).
 
 Models: ``modelopt_lite.models`` benchmark models (``bench-dense`` = Llama, ``bench-moe`` = Qwen3-MoE with
 fused experts), trained to near convergence on the ``fit`` split of the default corpus, fp32, loaded from
@@ -60,13 +67,14 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import _harness as h
 
 PTQ_ROWS = (
     "nvfp4",
@@ -83,33 +91,19 @@ PTQ_ROWS = (
 # real-model lever starts (not in the default --ptq): AWQ-lite, the residual rotation, adaptive block scales,
 # each on NVFP4 W4A4 with the KV cache unquantized
 LEVER_PTQ_ROWS = ("nvfp4_nokv_awq", "nvfp4_nokv_rot", "nvfp4_nokv_46")
-# training row -> (mode, PTQ row it starts from, learnable amax)
+# training rows, "MODE PTQ-ROW [+LEVER]": QAT or QAD from that PTQ row (+la: learnable amax)
 TRAIN_ROWS: dict[str, tuple[str, str, bool]] = {
-    "qat nvfp4": ("qat", "nvfp4", False),
-    "qad nvfp4": ("qad", "nvfp4", False),
-    "qad w4a16_nvfp4": ("qad", "w4a16_nvfp4", False),
-    "qad a_nvfp4": ("qad", "a_nvfp4", False),
-    "qad nvfp4_rot": ("qad", "nvfp4_rot", False),
-    "qad nvfp4_awq": ("qad", "nvfp4_awq", False),
-    "qat nvfp4_46": ("qat", "nvfp4_46", False),
-    "qad nvfp4_46": ("qad", "nvfp4_46", False),
-    "qat int4": ("qat", "int4", False),
-    "qad int4": ("qad", "int4", False),
-    "qad int4 +la": ("qad", "int4", True),
-    "qad int4_awq": ("qad", "int4_awq", False),
-    # the formats of the side-by-side with the peers (benchmarks/peers.py)
-    "qat nvfp4_nokv": ("qat", "nvfp4_nokv", False),
-    "qad nvfp4_nokv": ("qad", "nvfp4_nokv", False),
-    "qat fp8": ("qat", "fp8", False),
-    "qad fp8": ("qad", "fp8", False),
-    # real-model levers (issue 30): the tied embedding / lm_head frozen; learnable amax; better PTQ starts
-    "qad nvfp4_nokv +frozen_emb": ("qad", "nvfp4_nokv", False),
-    "qad nvfp4_nokv +la": ("qad", "nvfp4_nokv", True),
-    "qad nvfp4_nokv_awq": ("qad", "nvfp4_nokv_awq", False),
-    "qad nvfp4_nokv_rot": ("qad", "nvfp4_nokv_rot", False),
-    "qad nvfp4_nokv_46": ("qad", "nvfp4_nokv_46", False),
-    "qad w4a16_nvfp4 +frozen_emb": ("qad", "w4a16_nvfp4", False),
-}
+    name: (name.split()[0], name.split()[1], name.endswith("+la"))
+    for name in (
+        "qat nvfp4", "qad nvfp4", "qad w4a16_nvfp4", "qad a_nvfp4", "qad nvfp4_rot", "qad nvfp4_awq",
+        "qat nvfp4_46", "qad nvfp4_46", "qat int4", "qad int4", "qad int4 +la", "qad int4_awq",
+        # the formats of the side-by-side with the peers (benchmarks/peers.py)
+        "qat nvfp4_nokv", "qad nvfp4_nokv", "qat fp8", "qad fp8",
+        # real-model levers (issue 30): the tied embedding / lm_head frozen; learnable amax; better PTQ starts
+        "qad nvfp4_nokv +frozen_emb", "qad nvfp4_nokv +la", "qad nvfp4_nokv_awq", "qad nvfp4_nokv_rot",
+        "qad nvfp4_nokv_46", "qad w4a16_nvfp4 +frozen_emb",
+    )
+}  # fmt: skip
 DEFAULT_TRAIN = (
     "qat nvfp4",
     "qad nvfp4",
@@ -157,15 +151,9 @@ GEN_PROMPTS = ("The capital of France is", "To open a file in Python,", "Once up
 CALIB_SEQ, CALIB_BATCH = 256, 4
 
 
-def _csv(text: str) -> list[str]:
-    return [t.strip() for t in text.split(",") if t.strip()]
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="PTQ gap and QAT / QAD recovery on the benchmark models")
+    p = h.common(h.parser(__doc__), threads=2, quick="4 steps, 4 calibration / 4 eval windows")
     p.add_argument("--models", default="bench-dense,bench-moe", help=f"comma-separated: {', '.join(MODELS)}")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--quick", action="store_true", help="smoke run: 4 steps, 4 calibration / 4 eval windows")
     p.add_argument("--steps", type=int, default=200, help="optimizer steps of every training row")
     p.add_argument("--budgets", default="", help="extra step counts for qat / qad nvfp4 and ft (first seed)")
     p.add_argument("--batch-size", type=int, default=4)
@@ -228,17 +216,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="measure nothing: combine the --json files of earlier runs (e.g. one per model, run side by "
         "side) into one table / --json / --png",
     )
-    p.add_argument(
-        "--json",
-        help="write the numbers here (each finished row also goes to F.partial at once, removed at the end)",
-    )
-    p.add_argument("--png", help="write recovery bars and budget curves here (needs matplotlib)")
+    h.common(
+        p, json="write the numbers here (every finished row also to F.partial at once, removed at the end)",
+        png="write recovery bars and budget curves here (needs matplotlib)",
+    )  # fmt: skip
     args = p.parse_args(argv)
-    args.models, args.ptq, args.rows = _csv(args.models), _csv(args.ptq), _csv(args.rows)
-    args.seeded_rows, args.budget_rows = _csv(args.seeded_rows), _csv(args.budget_rows)
+    args.models, args.ptq, args.rows = h.csv(args.models), h.csv(args.ptq), h.csv(args.rows)
+    args.seeded_rows, args.budget_rows = h.csv(args.seeded_rows), h.csv(args.budget_rows)
     try:
-        args.seeds = [int(s) for s in _csv(args.seeds)]
-        args.budgets = [int(s) for s in _csv(args.budgets)]
+        args.seeds = [int(s) for s in h.csv(args.seeds)]
+        args.budgets = [int(s) for s in h.csv(args.budgets)]
     except ValueError:
         p.error("--seeds and --budgets take comma-separated integers")
     for value, allowed, flag in (
@@ -541,8 +528,7 @@ def measure(kind: str, args: argparse.Namespace) -> dict[str, Any]:
             }
         rows.append(row)
         if args.json:  # every finished row is on disk at once: a stopped run loses only the row in progress
-            partial = Path(f"{args.json}.partial")
-            partial.write_text(json.dumps({"model": kind, "rows": rows}, indent=1) + "\n")
+            h.write_json(f"{args.json}.partial", {"model": kind, "rows": rows})
         print(
             f"  {name:<18} seed {extra.get('seed', '-')!s:>2} steps {extra.get('steps', '-')!s:>4}   val ppl "
             f"{row['val_ppl']:8.3f}   test ppl {row['test_ppl']:8.3f}   KL {1e3 * row['kl']:7.3f}e-3"
@@ -705,12 +691,7 @@ def markdown(results: list[dict[str, Any]], steps: int) -> str:
 
 
 def plot(results: list[dict[str, Any]], path: str, steps: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(len(results), 2, figsize=(14, 4.2 * len(results)), squeeze=False)
+    fig, axes = h.pyplot().subplots(len(results), 2, figsize=(14, 4.2 * len(results)), squeeze=False)
     for (ax, curve), res in zip(axes, results, strict=True):
         lines = [s for s in res["summary"] if s["steps"] == steps and s.get("test_recovery") is not None]
         ax.bar(
@@ -743,28 +724,12 @@ def plot(results: list[dict[str, Any]], path: str, steps: int) -> None:
         curve.set_ylabel("test recovery (%)")
         curve.set_title(f"{res['kind']}: recovery against budget (first seed)", fontsize=9)
         curve.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def setup(threads: int) -> None:
-    """``threads`` OpenMP / MKL / torch threads, offline and quiet transformers, torch seed 0."""
-    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(threads)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    import torch
-
-    torch.set_num_threads(threads)
-    torch.manual_seed(0)
+    h.save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    setup(args.threads)
-    import torch
-    import transformers
-
+    h.pin_threads(args.threads)
     start = time.perf_counter()
     budget = (
         f"{args.steps} steps x {args.batch_size} x {args.seq_len} tokens, lr {args.lr:g}"
@@ -789,20 +754,10 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.perf_counter() - start
     print(f"\n{table}\n\n{budget}. Total wall time {wall / 60:.1f} min.")
     if args.json:
-        meta = {
-            "command": " ".join(["benchmarks/accuracy.py", *(sys.argv[1:] if argv is None else argv)]),
-            "date": time.strftime("%Y-%m-%d"),
-            "threads": args.threads,
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "wall_seconds": round(wall, 1),
-            "budget": budget,
-            "steps": args.steps,
-            "merged": [run["meta"] for run in runs] if args.merge else None,
-            "amax_lr_multiplier": args.amax_lr_multiplier,
-            "targets": TARGETS,
-        }
-        Path(args.json).write_text(json.dumps({"meta": meta, "models": results}, indent=1) + "\n")
+        meta = {**h.run_meta(__file__, argv, wall), "threads": args.threads, "budget": budget}
+        meta.update(steps=args.steps, merged=[run["meta"] for run in runs] if args.merge else None)
+        meta.update(amax_lr_multiplier=args.amax_lr_multiplier, targets=TARGETS)
+        h.write_json(args.json, {"meta": meta, "models": results})
         Path(f"{args.json}.partial").unlink(missing_ok=True)
         print(f"wrote {args.json}")
     if args.png:

@@ -1,8 +1,10 @@
-"""PTQ calibration algorithms vs max calibration on a tiny byte-level Llama trained on real text.
+"""Which PTQ calibration algorithms beat max calibration, on a small byte-level Llama trained on real text?
 
-    OMP_NUM_THREADS=2 python benchmarks/algorithms.py [--threads 2] [--train-steps 300] [--quick] [--json F]
-        [--configs INT4_AWQ_CFG,NVFP4_AWQ_LITE_CFG] [--no-memory]
-        [--reference-python PY | --make-reference-venv DIR]
+Published in ``docs/benchmarks.md``, "Calibration algorithms":
+
+    OMP_NUM_THREADS=2 python benchmarks/algorithms.py --reference-python PY
+
+(``--quick``: 100 training steps and fewer rows, a smoke run; ``--configs``, ``--no-memory`` cut it).
 
 Data: CPython's own English documentation, available offline (docstrings of a fixed list of stdlib modules,
 then ``pydoc_data.topics``), as UTF-8 bytes (vocab 256); the last 10% is held out. Model: ``LlamaForCausalLM``
@@ -19,7 +21,8 @@ this interpreter's transformers like ``benchmarks/calibrate.py``) gets the same 
 "reduction" is ``1 - mse / mse(max)`` of the same preset and side: the share of max calibration's layer
 output error that the algorithm removes.
 
-Reference interpreter: without ``--reference-python`` the reference columns are skipped.
+Reference interpreter: ``--reference-python`` (default ``$MODELOPT_REFERENCE_PYTHON``); without either, the
+reference columns are skipped.
 ``--make-reference-venv DIR`` creates (or reuses) a virtual environment there, installs
 ``torch==<this interpreter's torch version>`` first, then ``nvidia-modelopt==0.47.0`` with
 ``transformers==<this interpreter's version>`` and ``requests`` (modelopt imports both without declaring
@@ -34,7 +37,6 @@ during ``mtq.quantize`` with INT4_AWQ_CFG and algorithm gptq vs max on random-in
 
 from __future__ import annotations
 
-import argparse
 import copy
 import hashlib
 import json
@@ -96,12 +98,6 @@ def windows(tokens, n: int, seed: int, seq: int = SEQ):
     return torch.stack([tokens[s : s + seq] for s in starts.tolist()])
 
 
-def build_model(config: dict):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    return LlamaForCausalLM(LlamaConfig(**config)).float()
-
-
 def heldout_loss(model, eval_ids) -> float:
     import torch
 
@@ -128,8 +124,7 @@ def train_or_load(args) -> tuple[str, dict]:
         "layer": windows(held, LAYER_WINDOWS, 3),
     }
     info = {"path": path, "train_bytes": len(train), "held_bytes": len(held), "cached": os.path.exists(path)}
-    torch.manual_seed(0)
-    model = build_model(MODEL)
+    model = h.tiny_model(**MODEL)
     if info["cached"]:
         model.load_state_dict(load_file(path))
     else:
@@ -195,7 +190,7 @@ def _eval_child(side: str, data_path: str, rows: list, threads: int) -> None:
         import modelopt.torch.quantization as mtq
 
     def fresh():
-        model = build_model(MODEL)
+        model = h.tiny_model(seed=None, **MODEL)
         model.load_state_dict(state)
         return model.eval()
 
@@ -255,11 +250,10 @@ def _mem_child(layers: int, algorithm: str, threads: int) -> None:
 
     set_verbosity("WARNING")
     torch.set_num_threads(threads)
-    torch.manual_seed(0)
-    config = dict(MODEL, hidden_size=256, intermediate_size=768, num_hidden_layers=layers)
-    model = build_model(config).eval()
-    gen = torch.Generator().manual_seed(7)
-    batches = [torch.randint(0, 256, (4, SEQ), generator=gen) for _ in range(8)]
+    model = h.tiny_model(
+        **dict(MODEL, hidden_size=256, intermediate_size=768, num_hidden_layers=layers)
+    ).eval()
+    batches = h.random_batches(8, (4, SEQ), 256, seed=7)
     with torch.no_grad():
         model(batches[0])  # warm-up: kernels, thread pools
     how, base = h.reset_peak_rss("peak after warm-up")
@@ -290,20 +284,9 @@ def make_reference_venv(path: str) -> str:
     import torch
     import transformers
 
-    python = os.path.join(os.path.abspath(path), "bin", "python")
+    torch_pin, more = f"torch=={torch.__version__.split('+')[0]}", f"transformers=={transformers.__version__}"
     log = os.path.join(os.path.abspath(path), "install.log")
-    pip = [python, "-m", "pip", "install"]
-    steps = [[*pip, f"torch=={torch.__version__.split('+')[0]}"],
-             [*pip, REFERENCE_MODELOPT, f"transformers=={transformers.__version__}", "requests"]]  # fmt: skip
-    if not os.path.exists(python):
-        steps.insert(0, [sys.executable, "-m", "venv", path])
-    for cmd in steps:
-        print(f"reference venv: {' '.join(cmd[3:])} (log: {log})", file=sys.stderr, flush=True)
-        with open(log, "a") if os.path.isdir(path) else open(os.devnull, "w") as out:
-            proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT)
-        if proc.returncode:
-            sys.exit(f"--make-reference-venv: `{' '.join(cmd)}` failed (exit {proc.returncode}); see {log}")
-    return python
+    return h.make_venv(path, [torch_pin], [REFERENCE_MODELOPT, more, "requests"], log=log)
 
 
 def _secs(r: dict) -> str:
@@ -329,27 +312,18 @@ def _reduction(res: dict, base: dict | None) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="PTQ algorithms vs max calibration on a trained tiny Llama")
-    parser.add_argument("--threads", type=int, default=2)
+    parser = h.common(h.parser(__doc__), threads=2, quick="100 training steps, fewer rows")
     parser.add_argument("--train-steps", type=int, default=300)
     parser.add_argument("--train-batch", type=int, default=16)
-    parser.add_argument("--quick", action="store_true", help="100 training steps, fewer rows (smoke test)")
     parser.add_argument("--no-memory", action="store_true", help="skip the GPTQ memory table")
-    parser.add_argument("--json", help="write the raw numbers here")
+    h.common(parser, json="write the raw numbers here")
     parser.add_argument("--configs", help="comma-separated presets: only their rows (default: all)")
     ref_arg = parser.add_mutually_exclusive_group()
-    ref_arg.add_argument(
-        "--reference-python",
-        help="interpreter with nvidia-modelopt installed (reference columns skipped without)",
-    )
+    h.common(ref_arg, reference="interpreter with nvidia-modelopt installed (else no reference columns)")
     ref_arg.add_argument(
         "--make-reference-venv", metavar="DIR", help=f"create / reuse a venv in DIR with {REFERENCE_MODELOPT}"
     )
-    parser.add_argument("--child", choices=["ours", "ref", "mem"], help=argparse.SUPPRESS)
-    parser.add_argument("--data", help=argparse.SUPPRESS)
-    parser.add_argument("--rows", help=argparse.SUPPRESS)
-    parser.add_argument("--layers", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--algorithm", help=argparse.SUPPRESS)
+    h.hidden(parser, child=["ours", "ref", "mem"], data=str, rows=str, layers=int, algorithm=str)
     args = parser.parse_args()
     if args.child == "mem":
         return _mem_child(args.layers, args.algorithm, args.threads)
@@ -381,12 +355,10 @@ def main() -> None:
     print(f"calibration: {CALIB_BATCHES} batches of {CALIB_BS}x{SEQ}; eval: {EVAL_WINDOWS} windows; "
           f"layer error: {LAYER_WINDOWS} windows; threads {args.threads}", flush=True)  # fmt: skip
 
-    from calibrate import _borrow_transformers, _reference_usable  # sibling benchmark (stdlib-only module)
-
     sides = {"ours": (sys.executable, h.REPO_ROOT)}
-    ref_ok, ref_note = _reference_usable(args.reference_python)
+    ref_ok, ref_note = h.reference_usable(args.reference_python)
     if ref_ok:
-        shim, borrowed = _borrow_transformers(args.reference_python)
+        shim, borrowed, _ = h.borrow(args.reference_python)
         sides["ref"] = (args.reference_python, shim)
         if borrowed:
             print(f"note: reference borrows {', '.join(borrowed)} from {sys.executable}")
@@ -474,10 +446,9 @@ def main() -> None:
         info = {k: v for k, v in info.items() if not hasattr(v, "shape")}
         dump = {s: [dict(r, row=list(k) if isinstance(k, tuple) else k) for k, r in res.items()]
                 for s, res in results.items()}  # fmt: skip
-        with open(args.json, "w") as f:
-            json.dump(
-                {"training": info, "results": dump, "memory": mem, "reference_note": ref_note}, f, indent=1
-            )
+        h.write_json(
+            args.json, {"training": info, "results": dump, "memory": mem, "reference_note": ref_note}
+        )
 
 
 if __name__ == "__main__":

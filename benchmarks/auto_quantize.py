@@ -1,7 +1,13 @@
-"""``mtq.auto_quantize`` on a benchmark model: held-out perplexity against effective bits (issue 16).
+"""How much perplexity does ``mtq.auto_quantize`` buy at each effective-bits budget on a benchmark model?
 
-    MODELOPT_LITE_CACHE=... OMP_NUM_THREADS=1 python benchmarks/auto_quantize.py [--model bench-dense]
-        [--bits 4.5,5,...,8.5] [--methods gradient,kl_div] [--random-seeds 0,1,2] [--json F] [--quick]
+Published in ``docs/quantization.md``, "Auto-quantize: a format per layer under a bit budget":
+
+    MODELOPT_LITE_CACHE=... OMP_NUM_THREADS=1 python benchmarks/auto_quantize.py --model bench-dense
+    OMP_NUM_THREADS=1 python benchmarks/auto_quantize.py --model bench-dense --methods gradient,kl_div \\
+        --formats INT4_BLOCKWISE_WEIGHT_ONLY_CFG,INT8_WEIGHT_ONLY_CFG --bits 4.5,5,5.5,6,7,8 --repeats 3 \\
+        --reference-python PY                              # side by side with nvidia-modelopt
+
+(``--model bench-moe`` for the MoE model; ``--quick``: 4 windows everywhere, budgets 4.5, 6, 8).
 
 Model and data as in ``benchmarks/accuracy.py`` (its ``load_data``): the ``modelopt_lite.models`` benchmark
 model (fp32, from the user cache, never trained here), calibration and scoring on the ``fit`` split (the
@@ -54,20 +60,18 @@ FORMATS = "NVFP4_DEFAULT_CFG,FP8_DEFAULT_CFG"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = h.common(h.parser(__doc__), threads=1, quick="4 windows everywhere, budgets 4.5,6,8")
     p.add_argument("--model", default="bench-dense", choices=accuracy.MODELS)
     p.add_argument("--bits", default="4.5,5,5.5,6,6.5,7,7.5,8,8.5")
     p.add_argument("--methods", default="gradient,kl_div")
     p.add_argument("--formats", default=FORMATS, help="candidates, narrowest first (unquantized is added)")
     p.add_argument("--disabled-layers", default="", help="comma-separated fnmatch patterns kept unquantized")
-    p.add_argument("--reference-python", default=h.default_reference_python(), help="nvidia-modelopt's")
+    h.common(p, reference="nvidia-modelopt's interpreter: its auto_quantize rows too")
     p.add_argument("--random-seeds", default="0,1,2")
     p.add_argument("--calib-size", type=int, default=32, help="calibration windows of 256 tokens")
     p.add_argument("--score-size", type=int, default=16, help="of them, the windows that score the formats")
     p.add_argument("--eval-windows", type=int, default=None, help="cap on validation / test windows")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=1, help="searches per method (and reference); median time")
-    p.add_argument("--json", default=None, help="write the rows here")
+    h.common(p, repeats=(1, "searches per method (and reference); median time"), json="write the rows here")
     p.add_argument(
         "--top-k",
         type=int,
@@ -79,12 +83,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="also the largest group in each format, every other group unquantized / in the widest format",
     )
-    p.add_argument("--quick", action="store_true", help="a smoke run: 4 windows everywhere, budgets 4.5,6,8")
     args = p.parse_args(argv)
     if args.quick:
         args.calib_size, args.score_size, args.eval_windows, args.bits = 4, 4, 4, "4.5,6,8"
     args.seq_len = accuracy.CALIB_SEQ  # (load_data's training windows, unused here)
-    args.formats, args.disabled_layers = accuracy._csv(args.formats), accuracy._csv(args.disabled_layers)
+    args.formats, args.disabled_layers = h.csv(args.formats), h.csv(args.disabled_layers)
     return args
 
 
@@ -212,7 +215,7 @@ def mtq_config(state: dict[str, Any], recipe: dict[str, str]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    accuracy.setup(args.threads)
+    h.pin_threads(args.threads)
     import copy
 
     import modelopt_lite.quantization as mtq
@@ -288,16 +291,14 @@ def main(argv: list[str] | None = None) -> int:
     for preset in args.formats:  # the presets themselves (lm_head excluded), for reference
         rows.append({"row": f"preset {preset}", **measure(mtq.get_preset(preset))})
     _summarize(rows, args.formats)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(rows, f, indent=1)
+    h.write_json(args.json, rows)
     return 0
 
 
 def _summarize(rows: list[dict[str, Any]], formats: list[str]) -> None:
     by = {r["row"]: r for r in rows}
     nvfp4, fp8 = by.get(f"uniform {formats[0]}"), by.get(f"uniform {formats[-1]}")
-    print("| row | bits | val ppl | test ppl | removed (test) |\n|---|---|---|---|---|")
+    print(h.table_head("| row | bits | val ppl | test ppl | removed (test) |"))
     for r in rows:
         if "test_ppl" not in r:
             peak = f", {r['peak_mb']} MB extra peak RSS" if "peak_mb" in r else ""

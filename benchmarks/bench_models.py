@@ -1,9 +1,11 @@
-"""The benchmark models (``modelopt_lite.models``: ``bench-dense`` = Llama, ``bench-moe`` = Qwen3-MoE with 8
-experts, top-2): how well trained they are and how much NVFP4 PTQ costs them (issue 14).
+"""Are the benchmark models trained near convergence, and how much does NVFP4 PTQ cost them?
 
-    OMP_NUM_THREADS=2 MODELOPT_LITE_CACHE=/tmp/mlc_bench python benchmarks/bench_models.py \\
-        [--kinds bench-dense,bench-moe] [--build] [--threads 2] [--calib-size 32] [--ft-steps 200] \\
-        [--ft-lr X] [--checkpoint KIND=DIR] [--json out.json]
+Published in ``docs/accuracy.md``, "The benchmark models" (issue 14; ``bench-dense`` = Llama, ``bench-moe`` =
+Qwen3-MoE with 8 experts, top-2, from ``modelopt_lite.models``):
+
+    OMP_NUM_THREADS=2 MODELOPT_LITE_CACHE=... python benchmarks/bench_models.py --json out.json
+
+(``--kinds bench-dense --ft-steps 0 --calib-size 4`` makes a short run).
 
 Models: loaded from the cache with ``default_model_path(kind, train_if_missing=--build)``; with ``--build``
 a missing model is trained first (its build seconds are the ``train_seconds`` of its report either way:
@@ -42,14 +44,15 @@ import sys
 import time
 from typing import Any
 
+import _harness as h
+
 CALIB_SEQ, CALIB_BATCH = 256, 4
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = h.common(h.parser(__doc__), threads=2, json="write the results here")
     p.add_argument("--kinds", default="bench-dense,bench-moe", help="comma-separated model kinds")
     p.add_argument("--build", action="store_true", help="train a model missing from the cache")
-    p.add_argument("--threads", type=int, default=2)
     p.add_argument("--calib-size", type=int, default=32, help="calibration windows of 256 tokens")
     p.add_argument("--ft-steps", type=int, default=200, help="fine-tuning steps (0: skip)")
     p.add_argument("--ft-batch", type=int, default=4)
@@ -57,9 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ft-lr", type=float, default=1e-4, help="the accuracy study's lr (its ft control)")
     p.add_argument("--checkpoint", action="append", default=[], metavar="KIND=DIR",
                    help="measure DIR instead of the cached model of KIND")  # fmt: skip
-    p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
-    args.kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    args.kinds = h.csv(args.kinds)
     args.checkpoint = dict(c.split("=", 1) for c in args.checkpoint)
     return args
 
@@ -141,7 +143,7 @@ def _pct(x: float | None) -> str:
 def table(rows: list[dict[str, Any]]) -> str:
     head = ("| kind | params | build s | val ppl | test ppl | nvfp4 val ppl | nvfp4 val gap | nvfp4 test gap "
             "| +fp8 kv val gap | ft lr | ft val gain |")  # fmt: skip
-    lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
+    lines = [h.table_head(head)]
     for r in rows:
         lines.append(
             f"| {r['kind']} | {r['parameters'] / 1e6:.2f}M | {r.get('build_seconds', '-')} "
@@ -154,10 +156,8 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(args.threads)
+    h.pin_threads(args.threads, seed=None)
     import torch
-
-    torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from modelopt_lite.models import default_model_path
@@ -179,9 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print(json.dumps(row), flush=True)
     print(table(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+    h.write_json(args.json, rows, indent=2)
     return 0
 
 

@@ -1,8 +1,10 @@
-"""Calibration speed of every calibration algorithm on a real model, side by side with nvidia-modelopt.
+"""How long does each calibration algorithm take on a real model, against nvidia-modelopt's?
 
-    OMP_NUM_THREADS=2 python benchmarks/calib_speed.py [--model smollm2-135m] [--calib 8x256]
-        [--rows smoothquant,awq_lite] [--repeats 1] [--forward-repeats 3] [--threads 2]
-        [--reference-python PY] [--no-reference] [--before CHECKOUT] [--quick] [--json out.json]
+Published in ``docs/real_model.md``, "Speed of calibration" (SmolLM2-135M, 8 x 256 tokens):
+
+    python benchmarks/calib_speed.py --repeats 2 --reference-python PY          # rows max .. awq_lite
+    python benchmarks/calib_speed.py --repeats 2 --timeout 600 \\
+        --rows awq_clip,awq_full,gptq,mse,local_hessian --reference-python PY     # the rest, the forwards
 
 Model: the real model ``--model`` (``modelopt_lite.models.load_real_model``; SmolLM2-135M-Instruct by
 default), fp32, eval mode. Calibration data: the corpus's ``"fit"`` split as one token stream
@@ -118,8 +120,6 @@ def _child_forward(spec: dict) -> dict:
     """Unquantized, calibration and fake-quant evaluation forwards over the same batches, interleaved; the
     last also with the weights' fake quant folded into them once (``mtq.fold_weight``: ``folded``), so that
     the activations' share of the evaluation's cost shows."""
-    import torch
-
     model, forward_loop = _load(spec)
     mtq = _mtq(spec["which"])
     plain = copy.deepcopy(model)
@@ -128,20 +128,18 @@ def _child_forward(spec: dict) -> dict:
     mtq.fold_weight(folded)
     for m in (model, plain, folded):
         forward_loop(m)  # warm-up (kernels, allocator)
-    times: dict[str, list[float]] = {"unquantized": [], "calibration": [], "evaluation": [], "folded": []}
     start = h.CpuMark.now()
-    for _ in range(spec["repeats"]):
-        for kind in times:
-            t = time.perf_counter()
-            if kind == "unquantized":
-                forward_loop(plain)
-            elif kind == "calibration":
-                mtq.calibrate(model, algorithm="max", forward_loop=forward_loop)
-            else:
-                forward_loop(folded if kind == "folded" else model)
-            times[kind].append(time.perf_counter() - t)
+    times = h.time_interleaved(
+        {
+            "unquantized": lambda: forward_loop(plain),
+            "calibration": lambda: mtq.calibrate(model, algorithm="max", forward_loop=forward_loop),
+            "evaluation": lambda: forward_loop(model),
+            "folded": lambda: forward_loop(folded),
+        },
+        spec["repeats"],
+        warmup=0,
+    )
     _, others = start.since()
-    del torch
     return {"times": times, "other_cores_busy": others}
 
 
@@ -160,13 +158,12 @@ def _prepare(args: argparse.Namespace, workdir: str) -> tuple[str, str, str]:
     from safetensors.torch import save_file
 
     if args.quick:
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        torch.manual_seed(0)
-        cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                          num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)  # fmt: skip
         model_dir = os.path.join(workdir, "model")
-        LlamaForCausalLM(cfg).eval().save_pretrained(model_dir)
+        model = h.tiny_model(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=128, max_position_embeddings=64,
+        )  # fmt: skip
+        model.eval().save_pretrained(model_dir)
         calib = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
         what = "tiny Llama (2 layers, hidden 64), 2 x 32 random tokens"
     else:
@@ -211,34 +208,21 @@ def _reference(args: argparse.Namespace) -> tuple[str | None, str]:
     return python, ""
 
 
-def _cell(m: dict | None) -> str:
-    if m is None:
-        return "skipped"
-    if "timed_out_s" in m:
-        return f"> {m['timed_out_s']:.0f} (stopped)"
-    if "error" in m:
-        return f"n/a ({m['error'][:60]})"
-    return h.fmt_median_min(m, ".1f")
-
-
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser = h.common(h.parser(__doc__), threads=2, repeats=1, quick="tiny model built in code, a few rows")
+    h.hidden(parser, child=())
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--calib", default="8x256", help="COUNTxLEN calibration windows (default 8x256)")
     parser.add_argument(
         "--rows", help=f"comma-separated subset of {[r[0] for r in ROWS]} (or algorithm names)"
     )
     parser.add_argument("--no-forward", action="store_true", help="skip the forward-ratio rows")
-    parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--forward-repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--reference-python", default=None)
     parser.add_argument("--no-reference", action="store_true")
     parser.add_argument(
         "--before", help="a checkout of an earlier version of this library, timed as a third side 'before'"
     )
-    parser.add_argument("--quick", action="store_true", help="tiny model built in code, a few rows, 1 repeat")
     parser.add_argument(
         "--timeout",
         type=float,
@@ -246,8 +230,7 @@ def main(argv: list[str] | None = None) -> dict:
         help="stop a calibration still running after this many seconds; the row shows '> N' and its ratio "
         "an upper bound (default 900)",
     )
-    parser.add_argument("--json", help="write the results here (rewritten after every row)")
-    args = parser.parse_args(argv)
+    args = h.common(parser, json="write the results here (rewritten after every row)").parse_args(argv)
     if args.child:
         _child(args.child)
         return {}
@@ -268,9 +251,7 @@ def main(argv: list[str] | None = None) -> dict:
         "machine": f"{os.cpu_count()} cores",
         "threads": args.threads,
         "date": time.strftime("%Y-%m-%d"),
-        "command": " ".join(
-            ["python", "benchmarks/calib_speed.py", *(sys.argv[1:] if argv is None else argv)]
-        ),
+        "command": h.command(__file__, argv),
         "rows": {},
         "forward": {},
     }
@@ -307,7 +288,7 @@ def main(argv: list[str] | None = None) -> dict:
                 else:
                     row[side] = {**h.time_stats(r["seconds"] for r in runs[side]), "runs": runs[side]}
             out["rows"][name] = {"preset": preset, "algorithm": algorithm or "preset's", **row}
-            _save(out, args.json)
+            h.write_json(args.json, out)  # every finished row on disk at once
         for preset in forward:
             spec = {"kind": "forward", "model_dir": model_dir, "data": data, "preset": preset,
                     "algorithm": "max", "repeats": 1 if args.quick else args.forward_repeats}  # fmt: skip
@@ -325,16 +306,9 @@ def main(argv: list[str] | None = None) -> dict:
                                for kind, v in t.items()}  # fmt: skip
                 entry[side]["other_cores_busy"] = res["other_cores_busy"]
             out["forward"][preset] = entry
-            _save(out, args.json)
+            h.write_json(args.json, out)  # every finished row on disk at once
     _print(out, sides)
     return out
-
-
-def _save(out: dict, path: str | None) -> None:
-    """Every finished row on disk at once: a run stopped part way keeps what it measured."""
-    if path:
-        with open(path, "w") as f:
-            json.dump(out, f, indent=1)
 
 
 def _ratio(ours: dict | None, ref: dict | None) -> str:
@@ -357,8 +331,8 @@ def _print(out: dict, sides: dict) -> None:
     for name, row in out["rows"].items():
         ours, ref = row.get("ours"), row.get("ref")
         ratio = _ratio(ours, ref)
-        old = f"{_cell(row.get('before')):>18}" if before else ""
-        print(f"{name:<22}{_cell(ours):>18}{old}{_cell(ref):>22}{ratio:>12}")
+        old = f"{h.fmt_cell(row.get('before'), '.1f', 60):>18}" if before else ""
+        print(f"{name:<22}{h.fmt_cell(ours, '.1f', 60):>18}{old}{h.fmt_cell(ref, '.1f', 60):>22}{ratio:>12}")
     if out["forward"]:
         print("\nforward over the calibration batches, seconds median (min), / unquantized (target <= 1.3)")
         for preset, entry in out["forward"].items():

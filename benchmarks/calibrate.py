@@ -1,6 +1,8 @@
-"""Max-calibration cost of ``mtq.quantize`` on a tiny Llama, side by side with nvidia-modelopt.
+"""How long does max calibration (``mtq.quantize``) take, and how much memory, against nvidia-modelopt?
 
-    OMP_NUM_THREADS=2 python benchmarks/calibrate.py [--repeats 5] [--threads 2] [--quick] [--json out.json]
+Published in ``docs/benchmarks.md``, "Calibration time and memory" (measured 2026-11-29):
+
+    OMP_NUM_THREADS=2 python benchmarks/calibrate.py --repeats 5 --reference-python PY
 
 Model: ``LlamaForCausalLM`` from a config (hidden 256, intermediate 688, 4 layers, 4 heads / 2 KV heads,
 vocab 2048), fp32, eval mode, weights from ``torch.manual_seed(0)``. Calibration data: 8 batches of
@@ -24,11 +26,7 @@ the child also reports how many cores other processes kept busy while ``quantize
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import statistics
-import subprocess
 import sys
 import time
 
@@ -60,18 +58,11 @@ def _peak_rss_mb() -> float:
 
 
 def _build_model_and_batches():
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
+    model = h.tiny_model(
         hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).float().eval()
-    gen = torch.Generator().manual_seed(1234)
-    batches = [torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen) for _ in range(NUM_BATCHES)]
-    return model, batches
+    ).eval()  # fmt: skip
+    return model, h.random_batches(NUM_BATCHES, (BATCH, SEQ), VOCAB)
 
 
 def _child(which: str, config: str, threads: int) -> dict:
@@ -117,62 +108,6 @@ def _run_child(python: str, which: str, config: str, threads: int, extra_path: s
     cmd = [python, os.path.abspath(__file__), "--child", which, "--config", config, "--threads", str(threads)]
     # run from a neutral directory so the reference interpreter cannot pick up this checkout by accident
     return h.run_child(cmd, h.child_env(threads, extra_path), cwd=os.path.dirname(python) or None)
-
-
-def _ref_import_error(python: str, extra_path: str | None, module: str) -> str | None:
-    """None if ``module`` imports under ``python`` (with ``extra_path`` on PYTHONPATH), else the error."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    if extra_path:
-        env["PYTHONPATH"] = extra_path
-    proc = subprocess.run(
-        [python, "-c", f"import {module}"],
-        capture_output=True,
-        text=True,
-        cwd=os.path.dirname(python),
-        env=env,
-    )
-    return None if proc.returncode == 0 else (proc.stderr.strip().splitlines() or ["unknown error"])[-1]
-
-
-def _borrow_transformers(python: str) -> tuple[str | None, list[str]]:
-    """If the reference interpreter cannot import transformers, build a folder of symlinks to this
-    interpreter's transformers and to whichever of its dependencies the reference lacks (same Python and
-    torch build), for the reference child's PYTHONPATH. Returns (folder or None, borrowed names)."""
-    import atexit
-    import importlib.util
-    import re
-    import shutil
-    import tempfile
-
-    if _ref_import_error(python, None, "transformers") is None:
-        return None, []
-    shim = tempfile.mkdtemp(prefix="calibrate_bench_shim_")
-    atexit.register(shutil.rmtree, shim, True)  # removes the symlinks, never what they point to
-    borrowed: list[str] = []
-    for _ in range(20):
-        err = _ref_import_error(python, shim, "transformers")
-        if err is None:
-            return shim, borrowed
-        missing = re.match(r"ModuleNotFoundError: No module named '([^'.]+)", err)
-        spec = importlib.util.find_spec(missing.group(1)) if missing else None
-        if spec is None or not spec.origin or missing.group(1) in borrowed:
-            break
-        name = missing.group(1)
-        src = os.path.dirname(spec.origin) if spec.submodule_search_locations else spec.origin
-        os.symlink(src, os.path.join(shim, os.path.basename(src)))
-        borrowed.append(name)
-    return shim, borrowed  # still failing: the child reports the error
-
-
-def _reference_usable(python: str | None) -> tuple[bool, str]:
-    if not python:
-        return False, h.no_reference_python()
-    if not os.path.exists(python):
-        return False, f"{python} does not exist"
-    err = _ref_import_error(python, None, "modelopt.torch.quantization")
-    if err is not None:
-        return False, f"`import modelopt.torch.quantization` failed: {err}"
-    return True, ""
 
 
 def _measure(
@@ -221,25 +156,11 @@ def _measure(
                 f"others {res['other_cores_busy']:.2f} cores",
                 file=sys.stderr, flush=True,
             )  # fmt: skip
-    for out in results.values():
-        if "error" in out:
-            continue
-        runs = out["runs"]
-        out.update(
-            **h.time_stats(r["seconds"] for r in runs),
-            median_peak_rss_mb=statistics.median(r["peak_rss_mb"] for r in runs),
-            median_rss_delta_mb=statistics.median(r["peak_rss_mb"] - r["rss_before_mb"] for r in runs),
-            loaded_runs=sum(r["loaded"] for r in runs),
-        )  # fmt: skip
+    h.pool(
+        results, lambda r: [r["seconds"]], median_peak_rss_mb=lambda r: r["peak_rss_mb"],
+        median_rss_delta_mb=lambda r: r["peak_rss_mb"] - r["rss_before_mb"],
+    )  # fmt: skip
     return results
-
-
-def _time_cell(m: dict | None) -> str:
-    if m is None:
-        return "skipped"
-    if "error" in m:
-        return f"n/a (reason: {m['error']})"
-    return h.fmt_median_min(m)
 
 
 def _rss_cell(m: dict | None) -> str:
@@ -253,26 +174,11 @@ def _ratio(a: float | None, b: float | None) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="max-calibration time and peak RSS of mtq.quantize")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--quick", action="store_true", help="2 repeats, FP8 and NVFP4 only (smoke test)")
+    parser = h.common(h.parser(__doc__), threads=2, repeats=5, quick="2 repeats, FP8 and NVFP4 only")
+    h.common(parser, json="write the raw numbers here", reference="interpreter with nvidia-modelopt")
+    h.load_flags(parser, retries=(3, "reruns per disturbed run, after 5, 10, 20, 30 s"))
     parser.add_argument("--configs", nargs="+", help=f"subset of {CONFIGS}")
-    parser.add_argument("--json", help="write the raw numbers here")
-    parser.add_argument(
-        "--max-other-load", type=float, default=0.25,
-        help="rerun a run during which other processes kept more than this many cores busy",
-    )  # fmt: skip
-    parser.add_argument(
-        "--retries", type=int, default=3, help="reruns per disturbed run, after 5, 10, 20, 30 s"
-    )
-    parser.add_argument(
-        "--reference-python",
-        default=h.default_reference_python(),
-        help="interpreter with nvidia-modelopt installed (reference column skipped when missing)",
-    )
-    parser.add_argument("--child", choices=["ours", "ref"], help=argparse.SUPPRESS)
-    parser.add_argument("--config", help=argparse.SUPPRESS)
+    h.hidden(parser, child=["ours", "ref"], config=str)
     args = parser.parse_args()
 
     if args.child:
@@ -281,7 +187,7 @@ def main() -> None:
 
     repeats = 2 if args.quick else args.repeats
     configs = args.configs or (QUICK_CONFIGS if args.quick else CONFIGS)
-    ref_ok, ref_note = _reference_usable(args.reference_python)
+    ref_ok, ref_note = h.reference_usable(args.reference_python)
     print(
         f"tiny Llama (hidden 256, 4 layers), {NUM_BATCHES} batches of {BATCH}x{SEQ}; threads {args.threads}; "
         f"repeats {repeats}; each run in a fresh process",
@@ -291,7 +197,7 @@ def main() -> None:
     if not ref_ok:
         print(f"note: reference column skipped ({ref_note})", flush=True)
     else:
-        ref_path, borrowed = _borrow_transformers(args.reference_python)
+        ref_path, borrowed, _ = h.borrow(args.reference_python)
         if borrowed:
             ref_note = (
                 f"{args.reference_python} has no transformers: borrowed {', '.join(borrowed)} from "
@@ -308,13 +214,10 @@ def main() -> None:
         ours, ref = measured["ours"], measured.get("ref")
         rows.append({"config": config, "threads": args.threads, "repeats": repeats, "ours": ours, "ref": ref})
 
-    header = (
+    print("\n" + h.table_head(
         "| config | ours median s (min) | ref median s (min) | time ratio ours/ref "
         "| ours peak RSS MB (+delta) | ref peak RSS MB (+delta) | RSS-delta ratio |"
-    )
-    print()
-    print(header)
-    print("|" + "---|" * 7)
+    ))  # fmt: skip
     for row in rows:
         ours, ref = row["ours"], row["ref"]
         ok_o, ok_r = "error" not in ours, ref is not None and "error" not in ref
@@ -325,7 +228,7 @@ def main() -> None:
             ours["median_rss_delta_mb"] if ok_o else None, ref["median_rss_delta_mb"] if ok_r else None
         )
         print(
-            f"| {row['config']} | {_time_cell(ours)} | {_time_cell(ref)} | {t_ratio} "
+            f"| {row['config']} | {h.fmt_cell(ours)} | {h.fmt_cell(ref)} | {t_ratio} "
             f"| {_rss_cell(ours)} | {_rss_cell(ref)} | {m_ratio} |"
         )
     loaded = sum(m.get("loaded_runs", 0) for row in rows for m in (row["ours"], row["ref"] or {}))
@@ -339,10 +242,8 @@ def main() -> None:
             print(
                 f"\nours failed on {row['config']}:\n{row['ours'].get('traceback') or row['ours']['error']}"
             )
-    if args.json:
-        with open(args.json, "w") as f:
-            meta = {"reference_python": args.reference_python, "reference_note": ref_note}
-            json.dump({**meta, "rows": rows}, f, indent=1)
+    meta = {"reference_python": args.reference_python, "reference_note": ref_note}
+    h.write_json(args.json, {**meta, "rows": rows})
 
 
 if __name__ == "__main__":

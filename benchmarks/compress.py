@@ -1,7 +1,15 @@
-"""mtq.compress: weight memory per format and the CPU speed of the W8A8 compressed forward.
+"""What does ``mtq.compress`` save in weight memory per format, and what do its forward, load and output cost?
 
-    OMP_NUM_THREADS=2 python benchmarks/compress.py [--repeats 5] [--tokens 64 256] [--json out.json]
-        [--sections memory speed load quality]
+Published in ``docs/compress.md`` ("Peak memory of the load", "W8A8 forward on an AVX512-VNNI CPU", "Held-out
+perplexity and greedy generation") and ``docs/benchmarks.md`` ("mtq.compress: memory and W8A8 speed"):
+
+    OMP_NUM_THREADS=1 python benchmarks/compress.py --sections load --load-repeats 3 --threads 1
+    OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=2 taskset -c 0,1 python benchmarks/compress.py --sections speed \\
+        --repeats 7
+    OMP_NUM_THREADS=2 python benchmarks/compress.py --sections quality --windows 16 --new-tokens 32 \\
+        --repeats 5
+
+(``--sections memory``, or ``--repeats 1 --tokens 64``, make a short run).
 
 Needs the torchao extra. Two models: the default dense model's architecture (``modelopt_lite.models.DENSE``,
 untrained weights: memory and speed do not depend on their values) and a stack of two 4096 x 4096 linear
@@ -32,9 +40,7 @@ layers. Calibration uses random token ids / activations.
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import os
 import statistics
 import sys
@@ -64,11 +70,7 @@ FORMATS = {
 
 
 def dense_model() -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(**DENSE.model_config, vocab_size=DENSE.vocab_size, max_position_embeddings=256)
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).float().eval()
+    return h.tiny_model(**DENSE.model_config, vocab_size=DENSE.vocab_size, max_position_embeddings=256).eval()
 
 
 class LinearStack(nn.Sequential):
@@ -129,16 +131,8 @@ def memory(make: Callable[[], nn.Module], batches: list[torch.Tensor]) -> dict[s
 def _time_interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, dict[str, float]]:
     """Median and min of ``repeats`` timings of each function, interleaved (one call of each per round, after
     two warm-up calls of each): a burst of load on a shared machine hits every model, not one of them."""
-    times: dict[str, list[float]] = {name: [] for name in fns}
     with torch.no_grad():
-        for fn in fns.values():
-            fn()
-            fn()
-        for _ in range(repeats):
-            for name, fn in fns.items():
-                start = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - start)
+        times = h.time_interleaved(fns, repeats, warmup=2)
     return {name: h.time_stats(t) for name, t in times.items()}
 
 
@@ -173,15 +167,11 @@ def speed(make, batches_of, tokens: list[int], repeats: int) -> dict[str, dict[s
 
 def load_model(hidden: int, layers: int) -> nn.Module:
     """A Llama whose linear weights dominate (vocabulary 1024), float32, untrained."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
+    return h.tiny_model(
         vocab_size=1024, hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_hidden_layers=layers,
         num_attention_heads=hidden // 128, num_key_value_heads=hidden // 128, max_position_embeddings=256,
         tie_word_embeddings=False,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).float().eval()
+    ).eval()  # fmt: skip
 
 
 def child_load(directory: str, mode: str) -> dict[str, float]:
@@ -281,12 +271,7 @@ def _generate_stats(model: nn.Module, prompt: torch.Tensor, new_tokens: int, rep
         )
 
     with torch.no_grad():
-        tokens = run()
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            run()
-            times.append(time.perf_counter() - start)
+        times, tokens, _ = h.time_calls(run, repeats)  # greedy: every call the same tokens
     n = prompt.shape[0] * new_tokens
     return {"tokens_per_s": {"median": n / statistics.median(times), "max": n / min(times)}, "tokens": tokens}
 
@@ -347,13 +332,8 @@ def print_quality(q: dict, new_tokens: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--repeats", type=int, default=5)
+    parser = h.common(h.parser(__doc__, full=True), threads=2, repeats=5, json="write the raw numbers here")
     parser.add_argument("--tokens", type=int, nargs="+", default=[64, 256])
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--json", default=None)
     parser.add_argument(
         "--sections", nargs="+", choices=["memory", "speed", "load", "quality"],
         default=["memory", "speed", "load", "quality"],
@@ -363,8 +343,7 @@ def main() -> None:
     parser.add_argument("--load-repeats", type=int, default=3)
     parser.add_argument("--windows", type=int, default=16, help="held-out windows for the perplexity")
     parser.add_argument("--new-tokens", type=int, default=32, help="greedy generation length")
-    parser.add_argument("--child-load", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--mode", default=None, help=argparse.SUPPRESS)
+    h.hidden(parser, child_load=str, mode=str)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.child_load:
@@ -413,9 +392,7 @@ def main() -> None:
     if "quality" in args.sections:
         result["quality"] = quality(args.repeats, args.new_tokens, args.windows)
         print_quality(result["quality"], args.new_tokens)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    h.write_json(args.json, result)
 
 
 if __name__ == "__main__":

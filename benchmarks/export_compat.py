@@ -1,6 +1,8 @@
-"""Export compatibility with nvidia-modelopt: the same tiny Llama, quantized and exported by both libraries.
+"""Do our exported checkpoints match nvidia-modelopt's, tensor by tensor, for the same model and calibration?
 
-    python benchmarks/export_compat.py [--configs FP8_DEFAULT_CFG,NVFP4_DEFAULT_CFG] [--json out.json]
+Published in ``docs/benchmarks.md``, "Export compatibility" (measured 2026-11-29, rechecked 2026-12-01/02):
+
+    python benchmarks/export_compat.py --reference-python PY
 
 Each side runs in its own subprocess (this file re-invoked with ``--child ours|ref``): ``LlamaForCausalLM``
 from a config (hidden 128, intermediate 256, 2 layers, 4 heads / 2 KV heads, vocab 256, bf16, weights from
@@ -24,16 +26,13 @@ FP8, the layout ``mtq.auto_quantize`` exports; 2026-12-02): both write ``MIXED_P
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import os
-import subprocess
 import sys
 import tempfile
 
 import _harness as h
-from calibrate import _borrow_transformers, _reference_usable  # sibling benchmark (stdlib only)
 
 CONFIGS = ["FP8_DEFAULT_CFG", "NVFP4_DEFAULT_CFG", "MIXED_NVFP4_FP8"]
 #: a mixed-precision model, as ``mtq.auto_quantize`` leaves one: NVFP4 everywhere, layer 0's linears in FP8
@@ -42,7 +41,6 @@ MIXED = {"MIXED_NVFP4_FP8": ("NVFP4_DEFAULT_CFG", "*layers.0.*", {"num_bits": (4
 
 def _child(side: str, config: str, out: str) -> None:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     if side == "ours":
         import modelopt_lite.quantization as mtq
@@ -50,15 +48,13 @@ def _child(side: str, config: str, out: str) -> None:
     else:
         import modelopt.torch.quantization as mtq
         from modelopt.torch.export import export_hf_checkpoint
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=256, max_position_embeddings=64)  # fmt: skip
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    model = h.tiny_model(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256, max_position_embeddings=64)  # fmt: skip
+    model = model.to(torch.bfloat16).eval()
     # nvidia-modelopt 0.47's export fails on a model built from a config (architectures None: "'NoneType'
     # object is not iterable" in is_multimodal_model); ours fills it in. Set it on both sides.
     model.config.architectures = ["LlamaForCausalLM"]
-    g = torch.Generator().manual_seed(1)
-    data = [torch.randint(0, 256, (2, 32), generator=g) for _ in range(4)]
+    data = h.random_batches(4, (2, 32), 256, seed=1)
 
     def loop(m):
         with torch.no_grad():
@@ -79,18 +75,15 @@ def _child(side: str, config: str, out: str) -> None:
         export_hf_checkpoint(model, out)
     else:
         export_hf_checkpoint(model, export_dir=out)
-    print("@@RESULT " + json.dumps({"ok": True}), flush=True)
+    h.emit_result({"ok": True})
 
 
 def _run(python: str, side: str, config: str, out: str, extra_path: str | None) -> str | None:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="2", TRANSFORMERS_VERBOSITY="error")
-    if extra_path:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (extra_path, env.get("PYTHONPATH")) if p)
+    """None when the side exported, else its error."""
     cmd = [python, os.path.abspath(__file__), "--child", side, "--config", config, "--out", out]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=os.path.dirname(python) or None)
-    if "@@RESULT " in proc.stdout:
-        return None
-    return (proc.stderr.strip().splitlines() or [f"exited {proc.returncode}"])[-1][:300]
+    return h.run_child(cmd, h.child_env(2, extra_path), cwd=os.path.dirname(python) or None, limit=300).get(
+        "error"
+    )
 
 
 def _tensors(directory: str) -> dict:
@@ -182,44 +175,22 @@ def _compare(ours: str, ref: str) -> dict:
     }  # fmt: skip
 
 
-def _borrow_extra(python: str, shim: str | None, names: tuple[str, ...] = ("tokenizers",)) -> list[str]:
-    """Also lend packages that transformers imports lazily (the reference's export imports AutoTokenizer,
-    which needs ``tokenizers``) when the reference interpreter lacks them."""
-    import importlib.metadata
-    import importlib.util
-
-    lent = []
-    for name in names if shim else ():
-        cmd = [python, "-c", f"import {name}"]
-        probe = subprocess.run(cmd, capture_output=True, cwd=os.path.dirname(python))
-        spec = importlib.util.find_spec(name)
-        if probe.returncode != 0 and spec is not None and spec.submodule_search_locations:
-            os.symlink(os.path.dirname(spec.origin), os.path.join(shim, name))
-            dist = importlib.metadata.distribution(name)  # transformers checks the installed version
-            info = str(dist.locate_file(dist._path.name))  # type: ignore[attr-defined]
-            os.symlink(info, os.path.join(shim, os.path.basename(info)))
-            lent.append(name)
-    return lent
-
-
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = h.common(
+        h.parser(__doc__), json="write the comparison here", reference="nvidia-modelopt's interpreter"
+    )
     p.add_argument("--configs", default=",".join(CONFIGS))
-    p.add_argument("--reference-python", default=h.default_reference_python())
-    p.add_argument("--json", default=None)
     p.add_argument("--keep", default=None, help="write the checkpoints under this directory and keep them")
-    p.add_argument("--child", choices=["ours", "ref"], help=argparse.SUPPRESS)
-    p.add_argument("--config", help=argparse.SUPPRESS)
-    p.add_argument("--out", help=argparse.SUPPRESS)
+    h.hidden(p, child=["ours", "ref"], config=str, out=str)
     args = p.parse_args()
     if args.child:
         _child(args.child, args.config, args.out)
         return
-    usable, why = _reference_usable(args.reference_python)
+    usable, why = h.reference_usable(args.reference_python)
     if not usable:  # this benchmark only compares: nothing to do without the reference
         p.error(f"nvidia-modelopt is not usable: {why}")
-    shim, borrowed = _borrow_transformers(args.reference_python)
-    borrowed += _borrow_extra(args.reference_python, shim)
+    # the reference's export imports AutoTokenizer, which needs tokenizers (imported lazily by transformers)
+    shim, borrowed, _ = h.borrow(args.reference_python, "import transformers, tokenizers")
     report: dict = {"reference": args.reference_python, "borrowed": borrowed, "configs": {}}
     for config in args.configs.split(","):
         with tempfile.TemporaryDirectory() as tmp:
@@ -235,9 +206,7 @@ def main() -> None:
         print(f"== {config}")
         for key, value in result.items():
             print(f"  {key}: {value}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+    h.write_json(args.json, report, indent=2)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,11 @@
-"""Fake-quant throughput per format: the native CPU kernels (the default path), the fused (compiled) path,
-the eager reference path, the two memory floors, and nvidia-modelopt when it is importable, all measured in
-the same process.
+"""How fast is our fake quant per format on the CPU, against the memory floors and nvidia-modelopt?
 
-    OMP_NUM_THREADS=2 python benchmarks/fake_quant.py [--threads 1 2] [--repeats 7] [--json out.json]
+Published in ``docs/benchmarks.md``, "Fake-quant throughput per format" (measured 2026-12-02):
+
+    OMP_NUM_THREADS=2 OMP_WAIT_POLICY=PASSIVE PYTHONPATH=. <modelopt venv>/bin/python \\
+        benchmarks/fake_quant.py --threads 1 2 --repeats 7
+
+(with this interpreter instead, the nvidia-modelopt columns are left out; ``--quick`` smoke-runs it).
 
 Shapes: a 4096x4096 fp32 weight and an 8x512x4096 fp32 activation, amax precomputed (calibrated), forward
 only. For every format and thread count it prints the min and median of ``--repeats`` timed runs in
@@ -21,10 +24,7 @@ M elements/s of
 and each path as a fraction of both floors (medians). When ``modelopt`` (the reference library,
 installed in a separate virtualenv and never a dependency of ours) imports, the same tensors go through its
 ``TensorQuantizer`` in the same process and the table adds the speed ratio (native / reference, from the
-medians and from the mins) and whether the outputs are bit-identical (``torch.equal``). To run both in one
-process, put this checkout on the reference venv's path:
-
-    PYTHONPATH=. /path/to/modelopt-venv/bin/python benchmarks/fake_quant.py
+medians and from the mins) and whether the outputs are bit-identical (``torch.equal``).
 
 On CPU the reference runs INT and FP8 fake quant only; its NVFP4 and MX fake quant need CUDA, so those
 rows show ``n/a`` for it.
@@ -32,12 +32,10 @@ rows show ``n/a`` for it.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
-import time
 from collections.abc import Callable
 
+import _harness as h
 import torch
 
 from modelopt_lite.formats import (
@@ -68,19 +66,6 @@ CASES = {
     "fp8 per-tensor (A)": ("act", {"num_bits": (4, 3)}),
     "nvfp4 (A)": ("act", NVFP4),
 }
-
-
-def _time(fn: Callable[[], torch.Tensor], repeats: int) -> tuple[list[float], torch.Tensor, float]:
-    """``(timings, last output, seconds of the untimed warm-up call)``."""
-    start = time.perf_counter()
-    out = fn()  # warm-up (the fused path compiles here)
-    warm = time.perf_counter() - start
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - start)
-    return times, out, warm
 
 
 def _reference_quantizer(attrs: dict, amax: torch.Tensor | None):
@@ -114,22 +99,22 @@ def run(threads: list[int], repeats: int, scale: int, cases: list[str] | None = 
         for n in threads:
             torch.set_num_threads(n)
             with torch.no_grad():
-                clone_t, _, _ = _time(x.clone, repeats)
-                copy_t, _, _ = _time(lambda x=x, b=buf: b.copy_(x), repeats)
+                clone_t, _, _ = h.time_calls(x.clone, repeats)
+                copy_t, _, _ = h.time_calls(lambda x=x, b=buf: b.copy_(x), repeats)
                 set_native_fake_quant(False)
                 set_fused_fake_quant(False)
-                eager_t, eager_out, _ = _time(lambda x=x, s=spec, a=amax: fake_quant(x, s, a), repeats)
+                eager_t, eager_out, _ = h.time_calls(lambda x=x, s=spec, a=amax: fake_quant(x, s, a), repeats)
                 set_fused_fake_quant(True, min_numel=0)
                 calls = fused_call_count()
                 quantize = lambda x=x, s=spec, a=amax: fake_quant(x, s, a)  # noqa: E731
-                fused_t, fused_out, compile_s = _time(quantize, repeats)
+                fused_t, fused_out, compile_s = h.time_calls(quantize, repeats)
                 fused_ran = fused_call_count() - calls == repeats + 1
                 set_fused_fake_quant(False)
                 set_native_fake_quant(True)
                 calls = native_call_count()
-                native_t, native_out, build_s = _time(quantize, repeats)
+                native_t, native_out, build_s = h.time_calls(quantize, repeats)
                 into = lambda x=x, s=spec, a=amax, b=buf: dispatch_fake_quant(x, s, a, None, b)  # noqa: E731
-                buf_t, buf_out, _ = _time(into, repeats)
+                buf_t, buf_out, _ = h.time_calls(into, repeats)
                 row = {
                     "case": name,
                     "shape": list(x.shape),
@@ -151,11 +136,11 @@ def run(threads: list[int], repeats: int, scale: int, cases: list[str] | None = 
                 }
                 if ref_q is not None:
                     try:
-                        ref_t, ref_out, _ = _time(lambda x=x, q=ref_q: q(x), repeats)
+                        ref_t, ref_out, _ = h.time_calls(lambda x=x, q=ref_q: q(x), repeats)
                         row["ref_s"] = ref_t
                         row["bit_identical"] = bool(torch.equal(native_out, ref_out))
                     except Exception as err:  # the reference's CUDA-only paths fail on CPU
-                        row["ref_error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:80]}"
+                        row["ref_error"] = h.error_text(err, 100)
             rows.append(row)
             _print_row(row, x.numel())
     return rows
@@ -188,33 +173,30 @@ def _print_row(row: dict, numel: int) -> None:
         ("fused_equals_eager", " FUSED != EAGER"),
     )
     line += "".join(text for key, text in flags if not row[key])
-    if "ref_s" in row:
-        ref = row["ref_s"]
-        line += (
-            f" | ref {_mels(numel, min(ref)):6.0f}/{_mels(numel, statistics.median(ref)):6.0f}"
-            f" native/ref x{statistics.median(ref) / med['native']:5.2f} (med)"
-            f" x{min(ref) / low['native']:5.2f}"
-            f" (min) eager/ref x{statistics.median(ref) / med['eager']:5.2f} (med)"
-            f" | bit-identical: {row['bit_identical']}"
-        )
-    elif "ref_error" in row:
-        line += f" | ref n/a ({row['ref_error']})"
+    line += reference_part(row, "ref", lambda ref: (
+        f" | ref {_mels(numel, min(ref)):6.0f}/{_mels(numel, statistics.median(ref)):6.0f}"
+        f" native/ref x{statistics.median(ref) / med['native']:5.2f} (med) x{min(ref) / low['native']:5.2f}"
+        f" (min) eager/ref x{statistics.median(ref) / med['eager']:5.2f} (med)"
+        f" | bit-identical: {row['bit_identical']}"
+    ))  # fmt: skip
     print(line, flush=True)
 
 
+def reference_part(row: dict, key: str, text: Callable[[list[float]], str]) -> str:
+    """The reference library's part of a printed row: ``text`` of its timings ``row[key + "_s"]``, or why it
+    has none (``row[key + "_error"]``), or nothing when it did not run."""
+    if f"{key}_s" in row:
+        return text(row[f"{key}_s"])
+    return f" | {key} n/a ({row[key + '_error']})" if f"{key}_error" in row else ""
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description="fake-quant throughput per format")
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--quick", action="store_true", help="shapes 1/8 the size (smoke test)")
+    parser = h.common(h.parser(__doc__), threads=([1, 2], "thread counts, each measured"), repeats=7)
+    h.common(parser, quick="shapes 1/8 the size", json="write the raw timings here")
     parser.add_argument("--cases", nargs="+", help="only the cases whose name contains one of these")
-    parser.add_argument("--json", help="write the raw timings here")
     args = parser.parse_args()
     print(f"torch {torch.__version__}; repeats {args.repeats}; Melem/s = million elements per second")
-    rows = run(args.threads, args.repeats, 8 if args.quick else 1, args.cases)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    h.write_json(args.json, run(args.threads, args.repeats, 8 if args.quick else 1, args.cases))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
-"""Fake-quant throughput on a GPU: the cases of ``benchmarks/fake_quant.py`` on CUDA, as a share of the
-device's memory bandwidth, side by side with nvidia-modelopt when it is importable.
+"""What share of a GPU's memory bandwidth do our fake-quant kernels reach, against nvidia-modelopt?
 
-    python benchmarks/fake_quant_gpu.py [--repeats 50] [--peak-gbs 4800] [--json out.json]
-    python benchmarks/fake_quant_gpu.py --device cpu --quick        # a smoke run of this script on a CPU
+Named in ``docs/benchmarks.md``, "Fake-quant throughput per format" (not run on a GPU yet):
+
+    python benchmarks/fake_quant_gpu.py --peak-gbs 4800        # the data-sheet bandwidth (H200: 4800 GB/s)
+    python benchmarks/fake_quant_gpu.py --device cpu --quick   # a smoke run of this script on a CPU
 
 For every case (same tensors and quantizer attributes as ``fake_quant.py``: a 4096x4096 weight, an
 8x512x4096 activation, fp32 and bf16, amax calibrated beforehand) it times, with CUDA events after a warm-up:
@@ -22,14 +23,12 @@ Goal from the project's speed issue: the kernels at >= 0.35 (INT8) / 0.25 (NVFP4
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
-import time
 from collections.abc import Callable
 
+import _harness as h
 import torch
-from fake_quant import CASES, _reference_quantizer  # sibling benchmark: the same cases
+from fake_quant import CASES, _reference_quantizer, reference_part  # sibling benchmark: the same cases
 
 from modelopt_lite.formats import fake_quant, reduce_amax, resolve_format
 from modelopt_lite.formats.functional import fake_quant_reference
@@ -54,13 +53,7 @@ def _timer(
         return times, out
 
     def time_cpu(fn, repeats):
-        out = fn()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            out = fn()
-            times.append(time.perf_counter() - t0)
-        return times, out
+        return h.time_calls(fn, repeats)[:2]
 
     return time_cuda if device.type == "cuda" else time_cpu
 
@@ -101,7 +94,7 @@ def run(device: torch.device, repeats: int, scale: int, dtypes: list[torch.dtype
                         row["modelopt_s"] = mo_t
                         row["bit_identical_to_modelopt"] = bool(torch.equal(kern_out, mo_out))
                     except Exception as err:  # a path the reference does not have on this device
-                        row["modelopt_error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:80]}"
+                        row["modelopt_error"] = h.error_text(err, 100)
             rows.append(row)
             _print_row(row, peak_gbs)
     return rows
@@ -121,26 +114,19 @@ def _print_row(row: dict, peak_gbs: float | None) -> None:
         line += f" | kernel of peak {gbs['kernel'] / peak_gbs:4.2f}"
     if not row["kernel_equals_reference"]:
         line += " | KERNEL != REFERENCE"
-    if "modelopt_s" in row:
-        mo = statistics.median(row["modelopt_s"])
-        line += (
-            f" | modelopt {row['bytes'] / mo / 1e9:7.1f} GB/s, kernel / modelopt x{mo / med['kernel']:5.2f}"
-            f" | bit-identical: {row['bit_identical_to_modelopt']}"
-        )
-    elif "modelopt_error" in row:
-        line += f" | modelopt n/a ({row['modelopt_error']})"
+    line += reference_part(row, "modelopt", lambda t: (
+        f" | modelopt {row['bytes'] / statistics.median(t) / 1e9:7.1f} GB/s, kernel / modelopt "
+        f"x{statistics.median(t) / med['kernel']:5.2f} | bit-identical: {row['bit_identical_to_modelopt']}"
+    ))  # fmt: skip
     print(line, flush=True)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="fake-quant throughput on a GPU, as a share of bandwidth")
+    parser = h.common(h.parser(__doc__), repeats=50, quick="shapes 1/8 the size, 3 repeats")
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (a smoke run of the script)")
-    parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--peak-gbs", type=float, help="the device's data-sheet memory bandwidth, GB/s")
-    parser.add_argument("--quick", action="store_true", help="shapes 1/8 the size, 3 repeats (smoke test)")
-    parser.add_argument("--json", help="write the raw timings here")
-    args = parser.parse_args()
+    args = h.common(parser, json="write the raw timings here").parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA device: run this on a GPU machine, or pass --device cpu for a smoke run")
@@ -148,9 +134,7 @@ def main() -> None:
     print(f"torch {torch.__version__}; {where}; repeats {args.repeats}; 1 GB = 1e9 bytes")
     dtypes = [getattr(torch, d) for d in args.dtypes]
     rows = run(device, 3 if args.quick else args.repeats, 8 if args.quick else 1, dtypes, args.peak_gbs)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": where, "peak_gbs": args.peak_gbs, "rows": rows}, f, indent=1)
+    h.write_json(args.json, {"device": where, "peak_gbs": args.peak_gbs, "rows": rows})
     if not all(r["kernel_equals_reference"] for r in rows):
         raise SystemExit("a kernel differs from the reference formula (rows marked KERNEL != REFERENCE)")
 

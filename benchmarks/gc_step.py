@@ -1,7 +1,10 @@
-"""Per-step garbage-collection time of ``GCPolicy`` during QAT, with and without ``gc.freeze()``.
+"""How much collection time per QAT step does ``GCPolicy``'s ``gc.freeze()`` save on a million objects?
 
-    OMP_NUM_THREADS=2 python benchmarks/gc_step.py [--layers 910] [--repeats 6] [--threads 1] [--quick]
-        [--json out.json]
+Published in ``docs/benchmarks.md``, "Garbage collection per step" (measured 2026-11-29):
+
+    python benchmarks/gc_step.py
+
+(``--quick``: 200 layers, 4 repeats, a smoke run).
 
 Model: ``LlamaForCausalLM`` from a config with many tiny layers (hidden 32, intermediate 64, ``--layers``
 layers, 2 heads / 1 KV head, head_dim 16, vocab 256), fp32, ``torch.manual_seed(0)``, quantized with
@@ -39,9 +42,7 @@ other processes also use made steps up to ~10x slower here (~35 s per step), far
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import math
 import os
 import statistics
@@ -90,22 +91,18 @@ def _tracked() -> int:
 
 def _build(layers: int, counts: dict):
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM  # noqa: F401  (counted with the imports)
 
     import modelopt_lite.quantization as mtq
 
     counts["imports"] = _tracked()
-    cfg = LlamaConfig(
+    model = h.tiny_model(
         hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=layers,
         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, vocab_size=VOCAB,
         max_position_embeddings=2 * SEQ,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).float().eval()
+    ).eval()  # fmt: skip
     counts["model"] = _tracked()
-    gen = torch.Generator().manual_seed(1234)
-    n = CALIB_BATCHES + TRAIN_BATCHES
-    batches = [torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen) for _ in range(n)]
+    batches = h.random_batches(CALIB_BATCHES + TRAIN_BATCHES, (BATCH, SEQ), VOCAB)
     mtq.quantize(model, CONFIG, batches[:CALIB_BATCHES])  # runs under no_grad
     mtq.check_calibrated(model)
     counts["quantized"] = _tracked()
@@ -116,42 +113,31 @@ def _build(layers: int, counts: dict):
 
 
 def _train_step(model, opt, ids, step_times: list[float] | None = None) -> float:
-    start = time.perf_counter()
-    loss = model(ids, labels=ids).loss
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
+    seconds, _, _, loss = h.timed_train_step(model, opt, ids)  # the loss tensor (and its graph) died there
     if step_times is not None:
-        step_times.append(time.perf_counter() - start)
-    return loss.item()  # the loss tensor (and what its graph held) dies here
+        step_times.append(seconds)
+    return loss
 
 
 def main() -> None:
     wall = time.perf_counter()
-    parser = argparse.ArgumentParser(description="per-step gc.collect() time with and without gc.freeze()")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (see the module docstring)")
-    parser.add_argument("--layers", type=int, default=910, help="Llama layers (~700 tracked objects each)")
-    parser.add_argument("--repeats", type=int, default=6, help="timed collections per policy (all rounds)")
-    parser.add_argument("--rounds", type=int, default=2, help="alternating no-freeze / freeze blocks")
-    parser.add_argument("--quick", action="store_true", help="200 layers, 4 repeats (smoke test)")
-    parser.add_argument("--json", help="write the raw numbers here")
-    parser.add_argument(
-        "--max-other-load", type=float,
-        help="flag blocks during which other processes kept more cores busy (default: cores - threads)",
+    parser = h.common(
+        h.parser(__doc__), threads=(1, "torch threads (see the module docstring)"),
+        repeats=(6, "timed collections per policy (all rounds)"), quick="200 layers, 4 repeats",
+        json="write the raw numbers here",
     )  # fmt: skip
+    parser.add_argument("--layers", type=int, default=910, help="Llama layers (~700 tracked objects each)")
+    parser.add_argument("--rounds", type=int, default=2, help="alternating no-freeze / freeze blocks")
+    h.load_flags(parser, max_other=None)  # None: cores - threads
     args = parser.parse_args()
     layers, repeats = (200, 4) if args.quick else (args.layers, args.repeats)
     rounds = max(1, min(args.rounds, repeats))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     max_other = args.max_other_load if args.max_other_load is not None else max(0.25, cores - args.threads)
-    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(args.threads)
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-
-    import torch
+    h.pin_threads(args.threads, seed=None)  # the environment before torch loads
 
     from modelopt_lite.training import GCPolicy
 
-    torch.set_num_threads(args.threads)
     counts: dict[str, int] = {}
     model, opt, batches, quantizers = _build(layers, counts)
     _train_step(model, opt, batches[0])  # warm-up: creates the AdamW state
@@ -234,7 +220,7 @@ def main() -> None:
         r["step_times_s"] = step_times[arm]
         r.update(watch.stats.get(arm, {}))
     nf, fr = res["nofreeze"], res["freeze"]
-    ratio = {"median": nf["median_s"] / fr["median_s"], "min": nf["min_s"] / fr["min_s"]}
+    ratio = h.ratio(nf, fr)
 
     def others(r: dict) -> str:
         return "n/a" if r["other_cores_busy"] is None else f"{r['other_cores_busy']:.2f}"
@@ -244,11 +230,10 @@ def main() -> None:
         return ", ".join(f"gen{g}: {v['count']}" for g, v in sorted(a.items())) or "none"
 
     print(f"\n### gc.collect() before each training step ({CONFIG} Llama, {layers} layers), ms per step\n")
-    print(
+    print(h.table_head(
         "| policy | objects the collection walks | collections | median ms | min ms | no-freeze / this "
         "(median) | unreachable found per collection | automatic collections in the steps | others busy |"
-    )
-    print("|" + "---|" * 9)
+    ))  # fmt: skip
     rows = [
         ("no freeze: `before_step()` only", f"{tracked:,}", nf),
         (
@@ -280,15 +265,13 @@ def main() -> None:
     if nf["loaded"] or fr["loaded"]:
         print("\nwarning: other processes kept cores busy during a block (flagged loaded); compare the mins")
     print(f"\ntotal run {time.perf_counter() - wall:.0f} s", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            meta = {"layers": layers, "threads": args.threads, "repeats": repeats, "rounds": rounds}
-            meta.update(max_other_load=max_other, batch=[BATCH, SEQ])
-            meta.update(config=CONFIG, quantizers=quantizers, python=sys.version.split()[0])
-            meta.update(tracked_objects=tracked, counts=counts, objects_per_layer=per_layer)
-            extra = {"freeze_call_s": freeze_calls, "first_collect_before_freeze_s": first_unfrozen}
-            extra.update(frozen_objects=frozen, not_frozen_objects=not_frozen, losses=losses)
-            json.dump({**meta, "ratio": ratio, "nofreeze": nf, "freeze": fr, **extra}, f, indent=1)
+    meta = {"layers": layers, "threads": args.threads, "repeats": repeats, "rounds": rounds}
+    meta.update(max_other_load=max_other, batch=[BATCH, SEQ])
+    meta.update(config=CONFIG, quantizers=quantizers, python=sys.version.split()[0])
+    meta.update(tracked_objects=tracked, counts=counts, objects_per_layer=per_layer)
+    extra = {"freeze_call_s": freeze_calls, "first_collect_before_freeze_s": first_unfrozen}
+    extra.update(frozen_objects=frozen, not_frozen_objects=not_frozen, losses=losses)
+    h.write_json(args.json, {**meta, "ratio": ratio, "nofreeze": nf, "freeze": fr, **extra})
 
 
 if __name__ == "__main__":

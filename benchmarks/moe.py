@@ -1,7 +1,13 @@
-"""QAT step time and calibration memory of fused MoE experts (NVFP4, FP8) on a medium Qwen3-MoE.
+"""How fast is a QAT step on fused MoE experts (NVFP4, FP8), and how much memory does calibration add?
 
-    OMP_NUM_THREADS=2 python benchmarks/moe.py [--repeats 5] [--threads 2] [--quick] [--json out.json]
-        [--reference-python PY] [--skip-memory]
+Published in ``docs/benchmarks.md``, "MoE QAT step and calibration memory" and its sections, ``docs/moe.md``
+and the README (measured 2026-12-02; ``N`` = 1 and 2, two runs each, on a shared machine):
+
+    OMP_NUM_THREADS=N python benchmarks/moe.py --threads N --repeats 7 --max-other-load 3 --max-wait 60 \\
+        --skip-memory --reference-python PY
+    OMP_NUM_THREADS=2 python benchmarks/moe.py          # the step times and the calibration memory
+
+(``--quick``: 2 timed steps, 1 memory run per mode, a smoke run).
 
 Model: ``Qwen3MoeForCausalLM`` from a config (hidden 512, intermediate 1024, moe_intermediate 256, 2
 layers, 8 heads / 4 KV heads, head_dim 64, 64 experts, top-8, vocab 4096), fp32, ``torch.manual_seed(0)``.
@@ -54,7 +60,6 @@ disturbed again, kept and flagged ``loaded``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -81,18 +86,12 @@ LABELS = {
 
 
 def _build(num_batches: int):
-    import torch
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    cfg = Qwen3MoeConfig(
-        hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=2,
+    model = h.tiny_model(
+        "Qwen3Moe", hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=8, num_key_value_heads=4, head_dim=64, num_experts=64, num_experts_per_tok=8,
         vocab_size=VOCAB, max_position_embeddings=256,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(cfg).float().eval()
-    gen = torch.Generator().manual_seed(1234)
-    return model, [torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen) for _ in range(num_batches)]
+    ).eval()  # fmt: skip
+    return model, h.random_batches(num_batches, (BATCH, SEQ), VOCAB)
 
 
 def _child_step(child: str, repeats: int) -> dict:
@@ -180,22 +179,30 @@ def _run_child(
     env = h.child_env(threads, h.REPO_ROOT, **extra_env)
     cmd = [sys.executable, os.path.abspath(__file__), "--child", kind, "--path", path]
     cmd += ["--threads", str(threads), "--repeats", str(repeats)]
-
-    def disturbed(res: dict, retrying: bool) -> None:
-        note = ", retrying" if retrying else ", kept (flagged loaded)"
-        print(f"  {kind} {path}: disturbed (others {res['other_cores_busy']:.2f} cores){note}", flush=True)
-
     return h.run_child_when_quiet(
-        cmd, env, max_other=max_other, max_wait=max_wait, retries=retries, on_disturbed=disturbed
+        cmd,
+        env,
+        max_other=max_other,
+        max_wait=max_wait,
+        retries=retries,
+        on_disturbed=_disturbed(f"{kind} {path}"),
     )
+
+
+def _disturbed(what: str):
+    """The ``on_disturbed`` report of a child."""
+
+    def report(res: dict, retrying: bool) -> None:
+        note = ", retrying" if retrying else ", kept (flagged loaded)"
+        print(f"  {what}: disturbed (others {res['other_cores_busy']:.2f} cores){note}", flush=True)
+
+    return report
 
 
 def speedup(slow: dict, fast: dict) -> dict[str, float] | None:
     """``slow`` / ``fast`` step time from the medians and from the mins (``median_s`` / ``min_s`` of
     :func:`_harness.time_stats`), or None when either side failed (has an ``error``)."""
-    if "error" in slow or "error" in fast:
-        return None
-    return {"median": slow["median_s"] / fast["median_s"], "min": slow["min_s"] / fast["min_s"]}
+    return None if "error" in slow or "error" in fast else h.ratio(slow, fast)
 
 
 def speedup_line(what: str, ratio: dict[str, float] | None, target: float) -> str:
@@ -233,17 +240,10 @@ def _run_reference(python: str, threads: int, repeats: int, load_args: tuple[flo
         worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_peer_worker.py")
         cmd = [python, worker, "--peer", "modelopt_moe_step", "--spec", spec_path]
         env = h.child_env(threads, h.REPO_ROOT, keep_pythonpath=False)
-
-        def disturbed(res: dict, retrying: bool) -> None:
-            note = ", retrying" if retrying else ", kept (flagged loaded)"
-            print(
-                f"  step reference: disturbed (others {res['other_cores_busy']:.2f} cores){note}", flush=True
-            )
-
         try:
             return h.run_child_when_quiet(
                 cmd, env, max_other=max_other, max_wait=max_wait, retries=retries, limit=400,
-                on_disturbed=disturbed,
+                on_disturbed=_disturbed("step reference"),
             )  # fmt: skip
         except OSError as err:  # no such interpreter, not executable
             return h.error_result(err, limit=400)
@@ -261,8 +261,8 @@ def _print_memory(mem: dict[str, dict], mmap_threshold: int, mem_repeats: int) -
     ebytes = next((r["expert_bytes"] for m in ("pass", "nopass") for r in mem[m]["runs"]), None)
     emb = ebytes / 2**20 if ebytes else None
     print(f"expert weights (all QuantExperts gate_up_proj + down_proj, fp32): {h.fmt_or_na(emb, '.1f')} MB\n")
-    print("| measurement | baseline RSS MB | peak increase MB | minus plain fwd MB | % of expert weights |")
-    print("|---|---|---|---|---|")
+    cols = "baseline RSS MB | peak increase MB | minus plain fwd MB | % of expert weights"
+    print(h.table_head(f"| measurement | {cols} |"))
     plain = mem["plain"].get("increase_mb")
     adds: dict[str, float | None] = {}
     for mode, m in mem.items():
@@ -286,27 +286,15 @@ def _print_memory(mem: dict[str, dict], mmap_threshold: int, mem_repeats: int) -
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="MoE QAT step time and calibration memory (NVFP4)")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=5, help="timed QAT steps per path (after a warm-up)")
+    parser = h.common(
+        h.parser(__doc__), threads=2, repeats=(5, "timed QAT steps per path (after a warm-up)"),
+        quick="2 timed steps, 1 memory run per mode", json="write the raw numbers here",
+        reference="python of a virtualenv with nvidia-modelopt: times its FP8 QAT step; without it, skipped",
+    )  # fmt: skip
     parser.add_argument("--mem-repeats", type=int, default=3, help="memory runs per mode (median kept)")
-    parser.add_argument("--quick", action="store_true", help="2 timed steps, 1 memory run per mode")
-    parser.add_argument("--json", help="write the raw numbers here")
-    parser.add_argument(
-        "--reference-python", default=h.default_reference_python(),
-        help="python of a virtualenv with nvidia-modelopt: times its FP8 QAT step (default "
-        f"${h.REFERENCE_PYTHON_ENV}; without either, skipped)",
-    )  # fmt: skip
     parser.add_argument("--skip-memory", action="store_true", help="only the QAT step times")
-    parser.add_argument("--max-other-load", type=float, default=0.25)
-    parser.add_argument("--retries", type=int, default=2, help="reruns of a disturbed child")
-    parser.add_argument("--max-wait", type=float, default=600, help="s to wait for a quiet machine per run")
-    parser.add_argument(
-        "--mmap-threshold", type=int, default=131072,
-        help="MALLOC_MMAP_THRESHOLD_ for the memory children (0: glibc's dynamic default)",
-    )  # fmt: skip
-    parser.add_argument("--child", choices=["step", "mem"], help=argparse.SUPPRESS)
-    parser.add_argument("--path", help=argparse.SUPPRESS)
+    h.load_flags(parser, max_wait=600, retries=2, mmap_threshold="the memory children")
+    h.hidden(parser, child=["step", "mem"], path=str)
     args = parser.parse_args()
     if args.child:
         _child_main(args)
@@ -371,12 +359,11 @@ def main() -> None:
 
     print("\n### QAT step time (forward + backward + AdamW step), seconds per step\n")
     cols = "median s | min s | vs unquantized (median / min) | CPU s, vs unquantized"
-    print(f"| path | experts implementation | {cols} |")
-    print("|---|---|---|---|---|---|")
+    print(h.table_head(f"| path | experts implementation | {cols} |"))
     base = steps["baseline"]
     for path, res in steps.items():
         if "error" in res:
-            print(f"| {LABELS[path]} | n/a | n/a (reason: {res['error']}) | | | |")
+            print(h.table_row(LABELS[path], "n/a", f"n/a (reason: {res['error']})", "", "", ""))
             continue
         vs = cpu_vs = "n/a"
         if "error" not in base:
@@ -412,15 +399,11 @@ def main() -> None:
     loaded = [p for p, r in steps.items() if r.get("loaded")]
     if loaded:
         print(f"\nwarning: still disturbed by other processes after retries: {', '.join(loaded)} (inflated)")
-    for name, res in [*steps.items(), *mem.items()]:
-        if res is not None and "error" in res:
-            print(f"\n{name} failed:\n{res.get('traceback') or res['error']}")
-    if args.json:
-        with open(args.json, "w") as f:
-            meta = {"threads": args.threads, "repeats": repeats, "mem_repeats": mem_repeats}
-            meta.update(mmap_threshold=args.mmap_threshold, expert_bytes=ebytes, adds_pct=adds)
-            ratios = {"speedup": nvfp4_speedup, "reference_fp8_speedup": ref_speedup}
-            json.dump({**meta, "steps": steps, **ratios, "memory": mem}, f, indent=1)
+    h.print_failures([*steps.items(), *mem.items()])
+    meta = {"threads": args.threads, "repeats": repeats, "mem_repeats": mem_repeats}
+    meta.update(mmap_threshold=args.mmap_threshold, expert_bytes=ebytes, adds_pct=adds)
+    ratios = {"speedup": nvfp4_speedup, "reference_fp8_speedup": ref_speedup}
+    h.write_json(args.json, {**meta, "steps": steps, **ratios, "memory": mem})
 
 
 if __name__ == "__main__":

@@ -1,10 +1,15 @@
-"""QAT / QAD recovery side by side with the peers: same model, data, budget, lr and seed (issue 14).
+"""How much PTQ gap do our QAT / QAD recover against torchao's and nvidia-modelopt's, on one model and budget?
+
+Published in ``docs/accuracy.md``, "Side by side with the peers" (``docs/peers.json``: the commands there,
+run side by side, then merged) and ``docs/real_qad.md`` (FP8 on SmolLM2-135M), for example:
 
     python benchmarks/peers.py --make-venvs DIR          # once: DIR/torchao and DIR/modelopt virtualenvs
     TORCHAO_PYTHON=DIR/torchao/bin/python MODELOPT_REFERENCE_PYTHON=DIR/modelopt/bin/python \\
     MODELOPT_LITE_CACHE=... OMP_WAIT_POLICY=PASSIVE python benchmarks/peers.py --models bench-dense \\
-        [--seed 0] [--steps 200] [--lr 1e-4] [--no-ours] [--json F] [--md F] [--quick]
-    python benchmarks/peers.py --merge A.json B.json [--json F] [--md F]   # e.g. ours and --no-ours runs
+        --formats int4,fp8 --no-ours --json peers.json
+    python benchmarks/peers.py --merge ours.json peers.json --json docs/peers.json
+
+(``--quick``: 4 steps, 4 calibration / evaluation windows, a smoke run).
 
 Rows, per format (``nvfp4`` W4A4 NVFP4, ``int4`` INT4 weight-only groups of 128, ``fp8`` W8A8 FP8):
 
@@ -41,7 +46,6 @@ from typing import Any
 import _harness as h
 import accuracy
 
-TORCHAO_PYTHON_ENV = "TORCHAO_PYTHON"
 FORMATS = ("nvfp4", "int4", "fp8")
 OUR_PTQ = {"nvfp4": "nvfp4_nokv", "int4": "int4", "fp8": "fp8"}  # format -> accuracy.py PTQ row
 WORKER = str(Path(__file__).with_name("_peer_worker.py"))
@@ -51,17 +55,13 @@ PEER_PACKAGES = {"torchao": ["torchao==0.18.*"], "modelopt": ["nvidia-modelopt==
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description="QAT / QAD recovery side by side with torchao and nvidia-modelopt"
-    )
+    p = h.common(h.parser(__doc__), threads=1, seed=0, quick="4 steps, 4 calibration / eval windows")
     p.add_argument("--models", default="bench-dense", help="comma-separated benchmark models")
     p.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated: {', '.join(FORMATS)}")
-    p.add_argument("--torchao-python", default=os.environ.get(TORCHAO_PYTHON_ENV) or None)
+    p.add_argument("--torchao-python", default=h.default_reference_python(h.TORCHAO_PYTHON_ENV))
     p.add_argument("--modelopt-python", default=h.default_reference_python())
     p.add_argument("--make-venvs", metavar="DIR", help="create DIR/torchao and DIR/modelopt, then exit")
     p.add_argument("--no-ours", dest="ours", action="store_false", help="skip our rows (peers only)")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=128)
@@ -69,14 +69,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--calib-size", type=int, default=32)
     p.add_argument("--eval-windows", type=int, default=None)
-    p.add_argument("--quick", action="store_true", help="smoke run: 4 steps, 4 calibration / eval windows")
     p.add_argument(
         "--merge", nargs="+", metavar="JSON", help="measure nothing: combine the --json files of earlier runs"
     )
-    p.add_argument("--json", help="write the numbers here")
-    p.add_argument("--md", help="write the markdown table here")
-    args = p.parse_args(argv)
-    args.models, args.formats = accuracy._csv(args.models), accuracy._csv(args.formats)
+    args = h.common(p, json="write the numbers here", md="write the markdown table here").parse_args(argv)
+    args.models, args.formats = h.csv(args.models), h.csv(args.formats)
     bad = [f for f in args.formats if f not in FORMATS] + [m for m in args.models if m not in accuracy.MODELS]
     if bad:
         p.error(f"unknown {bad}: --formats from {list(FORMATS)}, --models from {list(accuracy.MODELS)}")
@@ -95,21 +92,11 @@ def make_venvs(root: str) -> None:
     import torch
     import transformers
 
-    common = [
-        f"torch=={torch.__version__.split('+')[0]}",
-        f"transformers=={transformers.__version__}",
-        f"accelerate=={accelerate.__version__}",
-        f"safetensors=={safetensors.__version__}",
-    ]
+    common = [f"torch=={torch.__version__.split('+')[0]}", f"transformers=={transformers.__version__}",
+              f"accelerate=={accelerate.__version__}", f"safetensors=={safetensors.__version__}"]  # fmt: skip
+    envs = {"torchao": h.TORCHAO_PYTHON_ENV, "modelopt": h.REFERENCE_PYTHON_ENV}
     for name, packages in PEER_PACKAGES.items():
-        venv = Path(root) / name
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        pip = [str(venv / "bin" / "python"), "-m", "pip", "install"]
-        subprocess.run([*pip, *common, *packages], check=True)
-    print(
-        f"export {TORCHAO_PYTHON_ENV}={Path(root, 'torchao', 'bin', 'python')}\n"
-        f"export {h.REFERENCE_PYTHON_ENV}={Path(root, 'modelopt', 'bin', 'python')}"
-    )
+        print(f"export {envs[name]}={h.make_venv(Path(root) / name, [*common, *packages])}")
 
 
 def export_data(path: str, evals: dict[str, Any], calib_batches: list[Any], train_set: Any) -> None:
@@ -211,7 +198,7 @@ def measure(kind: str, args: argparse.Namespace, work: str) -> dict[str, Any]:
     peers: dict[str, Any] = {}
     for peer, python in (("torchao", args.torchao_python), ("modelopt", args.modelopt_python)):
         if not python:
-            env = TORCHAO_PYTHON_ENV if peer == "torchao" else h.REFERENCE_PYTHON_ENV
+            env = h.TORCHAO_PYTHON_ENV if peer == "torchao" else h.REFERENCE_PYTHON_ENV
             why = h.no_reference_python(f"--{peer}-python", env)
             print(f"\n## {kind}: {peer} skipped ({why})", flush=True)
             continue
@@ -284,10 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.make_venvs:
         make_venvs(args.make_venvs)
         return 0
-    accuracy.setup(args.threads)
-    import torch
-    import transformers
-
+    h.pin_threads(args.threads)
     start = time.perf_counter()
     if args.merge:
         runs = [json.loads(Path(f).read_text()) for f in args.merge]
@@ -306,20 +290,11 @@ def main(argv: list[str] | None = None) -> int:
         [table, "", budget + ".", *(["", "Peer errors:", *(f"- {e}" for e in errs)] if errs else [])]
     )
     print(f"\n{text}\n\nTotal wall time {wall / 60:.1f} min.")
-    if args.md:
-        Path(args.md).write_text(text + "\n")
+    h.write_text(args.md, text)
     if args.json:
-        meta = {
-            "command": " ".join(["benchmarks/peers.py", *(sys.argv[1:] if argv is None else argv)]),
-            "date": time.strftime("%Y-%m-%d"),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "wall_seconds": round(wall, 1),
-            "budget": budget,
-            "errors": errs,
-            "merged": [run["meta"] for run in runs] if args.merge else None,
-        }
-        Path(args.json).write_text(json.dumps({"meta": meta, "models": results}, indent=1) + "\n")
+        meta = {**h.run_meta(__file__, argv, wall), "budget": budget, "errors": errs}
+        meta["merged"] = [run["meta"] for run in runs] if args.merge else None
+        h.write_json(args.json, {"meta": meta, "models": results})
     return 0
 
 

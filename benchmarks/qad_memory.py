@@ -1,7 +1,10 @@
-"""Peak memory and step time of QAD training steps: chunked vs unchunked distillation loss, 32k vocabulary.
+"""How much peak memory does chunking the distillation loss save in a QAD step, against unchunked and QAT?
 
-    OMP_NUM_THREADS=2 python benchmarks/qad_memory.py [--steps 2] [--repeats 2] [--quick] [--json out.json]
-        [--model smollm2-135m]
+Published in ``docs/benchmarks.md``, "QAD memory: chunked distillation loss" (measured 2026-11-29):
+
+    OMP_NUM_THREADS=2 python benchmarks/qad_memory.py
+
+(``--quick``: 1 measured step, 1 process per mode, a smoke run).
 
 ``--model smollm2-135m``: the real model instead (``modelopt_lite.models``; vocabulary 49152, tied
 embedding), the same data shape and modes; its children get 20 minutes each instead of 5.
@@ -41,10 +44,8 @@ flagged ``loaded`` (peak memory does not depend on load, so it is not rerun).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -62,23 +63,13 @@ LABELS = {"chunked": "QAD, chunked KL", "unchunked": "QAD, unchunked KL", "qat":
 # ----------------------------------------------------------------------------------------------- child
 
 
-def _malloc_trim() -> None:
-    import ctypes
-    import ctypes.util
-
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass  # not glibc
-
-
 def _child(mode: str, recipe: str, chunk: int, threads: int, steps: int, name: str | None = None) -> dict:
     import copy
     import gc
     import tempfile
 
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback, TrainingArguments
+    from transformers import TrainerCallback
 
     from modelopt_lite.training import DistillationArguments, QADTrainer, QATTrainer, QuantizationArguments
 
@@ -89,7 +80,7 @@ def _child(mode: str, recipe: str, chunk: int, threads: int, steps: int, name: s
 
         model = load_default_model(name)[0].float()
     else:
-        model = LlamaForCausalLM(LlamaConfig(**MODEL)).float()
+        model = h.tiny_model(seed=None, **MODEL)
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(1234)
     ids = torch.randint(0, vocab, (BATCH * (1 + steps), SEQ), generator=gen)
@@ -103,7 +94,7 @@ def _child(mode: str, recipe: str, chunk: int, threads: int, steps: int, name: s
         def on_step_begin(self, args, state, control, **kwargs):
             if self.step == 1:  # after the warm-up step: baseline
                 gc.collect()
-                _malloc_trim()
+                h.malloc_trim()
                 self.method, self.before = h.reset_peak_rss("VmHWM after warm-up step")
                 self.window = h.CpuMark.now()
             self.start = time.perf_counter()
@@ -116,11 +107,7 @@ def _child(mode: str, recipe: str, chunk: int, threads: int, steps: int, name: s
 
     probe = Probe()
     with tempfile.TemporaryDirectory(prefix="qad_memory_") as out:
-        args = TrainingArguments(
-            output_dir=out, max_steps=1 + steps, per_device_train_batch_size=BATCH, learning_rate=1e-4,
-            report_to=[], save_strategy="no", logging_steps=1, use_cpu=True, seed=0, disable_tqdm=True,
-            dataloader_num_workers=0,
-        )  # fmt: skip
+        args = h.cpu_training_args(out, 1 + steps, BATCH, 1e-4)
         quant_args = QuantizationArguments(recipe=recipe, calib_size=CALIB_SAMPLES, calib_batch_size=BATCH)
         common = dict(model=model, args=args, train_dataset=data, quant_args=quant_args)
         size = None if mode == "qat" else chunk if mode == "chunked" else BATCH * SEQ
@@ -134,7 +121,7 @@ def _child(mode: str, recipe: str, chunk: int, threads: int, steps: int, name: s
         trainer.train()
     peak = h.status_mb("VmHWM")  # read before anything else allocates
     others = probe.window.since()[1] if probe.window is not None else float("nan")
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     return {
         "method": probe.method or "no measured step", "before_mb": probe.before, "peak_mb": peak,
         "increase_mb": peak - probe.before, "times": probe.times, "other_cores_busy": others,
@@ -159,22 +146,16 @@ def _run_child(mode: str, args) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="QAD peak memory: chunked vs unchunked distillation loss")
-    parser.add_argument("--threads", type=int, default=2)
+    parser = h.common(
+        h.parser(__doc__), threads=2, repeats=(2, "fresh processes per mode (median kept)"),
+        quick="1 measured step, 1 process per mode", json="write the raw numbers here",
+    )  # fmt: skip
     parser.add_argument("--steps", type=int, default=2, help="measured optimizer steps after 1 warm-up")
-    parser.add_argument("--repeats", type=int, default=2, help="fresh processes per mode (median kept)")
     parser.add_argument("--chunk", type=int, default=256, help="distill_chunk_size of the chunked mode")
     parser.add_argument("--recipe", default="NVFP4_DEFAULT_CFG", help="QuantizationArguments.recipe")
-    parser.add_argument("--quick", action="store_true", help="1 measured step, 1 process per mode")
-    parser.add_argument("--json", help="write the raw numbers here")
-    parser.add_argument("--max-other-load", type=float, default=0.25)
-    parser.add_argument("--max-wait", type=float, default=60, help="s to wait for a quiet machine per run")
-    parser.add_argument(
-        "--mmap-threshold", type=int, default=131072,
-        help="MALLOC_MMAP_THRESHOLD_ for the children (0: glibc's dynamic default)",
-    )  # fmt: skip
+    h.load_flags(parser, max_wait=60, mmap_threshold="the children")
     parser.add_argument("--model", help="a real model by name (smollm2-135m) instead of the config model")
-    parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
+    h.hidden(parser, child=MODES)
     args = parser.parse_args()
     if args.child:
         run = lambda: _child(args.child, args.recipe, args.chunk, args.threads, args.steps, args.model)  # noqa: E731
@@ -216,15 +197,12 @@ def main() -> None:
                 f"loss {res['final_loss']:.3f}; others {res['other_cores_busy']:.2f} cores", flush=True,
             )  # fmt: skip
             out["runs"].append(res)
-    for out in results.values():
-        if "error" in out:
-            continue
-        runs = out["runs"]
-        out.update(
-            increase_mb=statistics.median(r["increase_mb"] for r in runs),
-            before_mb=statistics.median(r["before_mb"] for r in runs),
-            **h.time_stats(t for r in runs for t in r["times"]), loaded_runs=sum(r["loaded"] for r in runs),
-        )  # fmt: skip
+    h.pool(
+        results,
+        lambda r: r["times"],
+        increase_mb=lambda r: r["increase_mb"],
+        before_mb=lambda r: r["before_mb"],
+    )
 
     method = next((r["method"] for m in results.values() for r in m.get("runs", [])), "n/a")
     print(
@@ -235,12 +213,12 @@ def main() -> None:
         f"baseline = VmRSS after the warm-up step, gc and malloc_trim (method: {method}); "
         f"MALLOC_MMAP_THRESHOLD_={args.mmap_threshold or 'glibc default'}\n"
     )
-    print("| mode | chunk size | baseline RSS MB | peak increase MB | vs unchunked | s/step | vs unchunked |")
-    print("|---|---|---|---|---|---|---|")
+    cols = "baseline RSS MB | peak increase MB | vs unchunked | s/step | vs unchunked"
+    print(h.table_head(f"| mode | chunk size | {cols} |"))
     ref = results["unchunked"]
     for mode, m in results.items():
         if "error" in m:
-            print(f"| {LABELS[mode]} | | n/a (reason: {m['error']}) | | | | |")
+            print(h.table_row(LABELS[mode], "", f"n/a (reason: {m['error']})", "", "", "", ""))
             continue
         chunk = "-" if mode == "qat" else str(m["runs"][0]["chunk"])
         mem_ratio = time_ratio = "n/a"
@@ -267,15 +245,11 @@ def main() -> None:
     loaded = [mode for mode, m in results.items() if m.get("loaded_runs")]
     if loaded:
         print(f"\nwarning: step times disturbed by other processes: {', '.join(loaded)} (memory is not)")
-    for mode, m in results.items():
-        if "error" in m:
-            print(f"\n{mode} failed:\n{m.get('traceback') or m['error']}")
-    if args.json:
-        with open(args.json, "w") as f:
-            meta = dict(threads=args.threads, steps=args.steps, repeats=args.repeats, chunk=args.chunk)
-            meta.update(recipe=args.recipe, mmap_threshold=args.mmap_threshold, logits_mb=logits_mb)
-            meta.update(model=args.model or "config Llama, hidden 256, 2 layers, vocab 32768")
-            json.dump({**meta, "ratios": ratios, "results": results}, f, indent=1)
+    h.print_failures(results.items())
+    meta = dict(threads=args.threads, steps=args.steps, repeats=args.repeats, chunk=args.chunk)
+    meta.update(recipe=args.recipe, mmap_threshold=args.mmap_threshold, logits_mb=logits_mb)
+    meta.update(model=args.model or "config Llama, hidden 256, 2 layers, vocab 32768")
+    h.write_json(args.json, {**meta, "ratios": ratios, "results": results})
 
 
 if __name__ == "__main__":

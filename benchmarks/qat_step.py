@@ -1,7 +1,13 @@
-"""QAT training-step time through the real trainers: ``QATTrainer`` / plain ``transformers.Trainer``.
+"""What does a QAT (or QAD) step cost over a plain ``transformers.Trainer`` step, and the reference's?
 
-    OMP_NUM_THREADS=2 python benchmarks/qat_step.py [--steps 5] [--warmup 2] [--rounds 1] [--quick] [--json F]
-        [--malloc both|on|off] [--interleaved [--levers-off] [--qad [PRESET ...]] [--model smollm2-135m]]
+Published in ``docs/benchmarks.md``, "QAT step time" and its sections (the commands with each table there),
+and ``docs/real_qad.md`` (the step-time ratios at real width), for example:
+
+    OMP_NUM_THREADS=2 python benchmarks/qat_step.py --reference-python PY
+    python benchmarks/qat_step.py --interleaved --threads 1 --rounds 2 [--levers-off]
+    python benchmarks/qat_step.py --interleaved --model smollm2-135m --threads 2 --steps 6 --warmup 2 --json F
+
+(``--quick``: 2 timed steps after 1 warm-up, FP8 and NVFP4, a smoke run).
 
 ``--interleaved``: instead of a process per trainer, one process per allocator setting (and round) holds the
 plain ``Trainer`` and a ``QATTrainer`` per preset, and their optimizer steps are taken in turn (plain, FP8,
@@ -85,14 +91,8 @@ cores busy (``/proc/stat``); a child during whose timed steps others kept more c
 
 from __future__ import annotations
 
-import argparse
-import importlib.metadata
-import importlib.util
-import json
 import os
-import re
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -125,11 +125,10 @@ def _child(
     import tempfile
 
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+    from transformers import Trainer, TrainerCallback
 
     torch.set_num_threads(threads)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**{**MODEL, "vocab_size": vocab})).float()
+    model = h.tiny_model(**{**MODEL, "vocab_size": vocab})
     gen = torch.Generator().manual_seed(1234)
     ids = torch.randint(0, vocab, (BATCH * (warmup + steps), SEQ), generator=gen)
     data = [{"input_ids": row, "labels": row} for row in ids]
@@ -173,11 +172,7 @@ def _child(
     timer = StepTimer()
     gc.callbacks.append(timer)
     with tempfile.TemporaryDirectory(prefix="qat_step_") as out:
-        args = TrainingArguments(
-            output_dir=out, max_steps=warmup + steps, per_device_train_batch_size=BATCH, learning_rate=LR,
-            report_to=[], save_strategy="no", logging_steps=1, use_cpu=True, seed=0, disable_tqdm=True,
-            dataloader_num_workers=0,
-        )  # fmt: skip
+        args = h.cpu_training_args(out, warmup + steps, BATCH, LR)
         if which == "plain":
             trainer = Trainer(model=model, args=args, train_dataset=data)
         elif which == "ours":
@@ -224,7 +219,7 @@ def _child(
     if len(timer.times) != steps:
         return {"error": f"timed {len(timer.times)} steps, expected {steps}"}
     quantizers = [m for m in model.modules() if any(c.__name__ == "TensorQuantizer" for c in type(m).__mro__)]
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     return {
         "times": timer.times, "train_s": train_s, "other_cores_busy": others, "final_loss": losses[-1],
         "quantizers": len(quantizers), "enabled_quantizers": sum(bool(q.is_enabled) for q in quantizers),
@@ -273,7 +268,7 @@ def _interleaved(
     import tempfile
 
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+    from transformers import Trainer
 
     from modelopt_lite.allocator import malloc_tuned
     from modelopt_lite.training import DistillationArguments, QADTrainer, QATTrainer, QuantizationArguments
@@ -291,11 +286,7 @@ def _interleaved(
             raise ValueError(f"the fit split holds {len(ids)} windows of {seq} tokens, {n} needed")
         make = lambda: copy.deepcopy(base)  # noqa: E731
     else:
-
-        def make():
-            torch.manual_seed(0)
-            return LlamaForCausalLM(LlamaConfig(**{**MODEL, "vocab_size": vocab})).float()
-
+        make = lambda: h.tiny_model(**{**MODEL, "vocab_size": vocab})  # noqa: E731
         gen = torch.Generator().manual_seed(1234)
         ids = torch.randint(0, vocab, (BATCH * (warmup + steps), seq), generator=gen)
     data = [{"input_ids": row, "labels": row} for row in ids]
@@ -307,11 +298,7 @@ def _interleaved(
     with contextlib.ExitStack() as stack:
         out = stack.enter_context(tempfile.TemporaryDirectory(prefix="qat_step_"))
         stack.enter_context(malloc_tuned(malloc == "on"))
-        args = TrainingArguments(
-            output_dir=out, max_steps=warmup + steps, per_device_train_batch_size=BATCH, learning_rate=lr,
-            report_to=[], save_strategy="no", logging_steps=1, use_cpu=True, seed=0, disable_tqdm=True,
-            dataloader_num_workers=0,
-        )  # fmt: skip
+        args = h.cpu_training_args(out, warmup + steps, BATCH, lr)
         trainers = {}
         for name in names:
             model = make()
@@ -378,10 +365,7 @@ def _main_interleaved(args, configs: list[str], mallocs: list[str]) -> None:
             )
             cmd += ["--qad", *args.qad] if args.qad is not None else []  # [] too: no QAD stepper
             cmd += ["--model", args.model] if args.model else []
-            limit = 7200 if args.model else 1800
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=limit)
-            found = h.parse_results(proc.stdout)
-            res = found[-1] if found else h.crash_error(proc)
+            res = h.run_child(cmd, env, timeout=7200 if args.model else 1800)
             if "error" in res:
                 print(f"interleaved malloc {malloc} failed: {res['error']}")
                 continue
@@ -397,87 +381,29 @@ def _main_interleaved(args, configs: list[str], mallocs: list[str]) -> None:
         f"\n### Interleaved in one process per setting: median (min) of {n} steps; ratios to the plain "
         "`Trainer` of the same processes (medians (mins))\n"
     )
-    print("| trainer | allocator | wall s / step | / plain | CPU s / step | / plain |")
-    print("|---|---|---|---|---|---|")
+    print(h.table_head("| trainer | allocator | wall s / step | / plain | CPU s / step | / plain |"))
     for malloc, rows in pooled.items():
         base = {k: h.time_stats(rows["plain"][k]) for k in ("times", "cpu")}
         for name, r in rows.items():
             cells = []
             for k in ("times", "cpu"):
                 m = h.time_stats(r[k])
-                ratio = f"{m['median_s'] / base[k]['median_s']:.2f}x ({m['min_s'] / base[k]['min_s']:.2f}x)"
-                cells += [h.fmt_median_min(m), ratio]
+                cells += [h.fmt_median_min(m), h.fmt_ratio(m, base[k])]
             label = {"plain": "plain `Trainer`", TEACHER: "plain `Trainer` + teacher forward"}.get(name)
             print(f"| {label or f'ours {name}'} | {malloc} | " + " | ".join(cells) + " |")
     for malloc, rows in pooled.items():  # what QAD costs beyond the teacher forward it cannot avoid
         if TEACHER in rows:
             base = {k: h.time_stats(rows[TEACHER][k]) for k in ("times", "cpu")}
             for name in (n for n in rows if n.startswith(QAD)):
-                m = {k: h.time_stats(rows[name][k]) for k in ("times", "cpu")}
-                print(
-                    f"\n{name} / plain+teacher ({malloc}): wall {_ratio(m['times'], base['times'])}, CPU "
-                    f"{_ratio(m['cpu'], base['cpu'])} (medians (mins))"
-                )
-    if args.json:
-        with open(args.json, "w") as f:
-            meta = {"interleaved": True, "threads": args.threads, "model": args.model or "config Llama"}
-            json.dump({**meta, "results": pooled}, f, indent=1)
+                wall, cpu = (h.fmt_ratio(h.time_stats(rows[name][k]), base[k]) for k in ("times", "cpu"))
+                print(f"\n{name} / plain+teacher ({malloc}): wall {wall}, CPU {cpu} (medians (mins))")
+    meta = {"interleaved": True, "threads": args.threads, "model": args.model or "config Llama"}
+    h.write_json(args.json, {**meta, "results": pooled})
 
 
 # ---------------------------------------------------------------------------------------------- parent
 
 _PROBE = f"import accelerate, transformers, {REF_TRAINER}; from transformers import TrainingArguments"
-
-
-def _probe_error(python: str, extra_path: str | None, code: str) -> str | None:
-    """None if ``code`` runs under ``python`` (``extra_path`` on PYTHONPATH), else its last error line."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    env.pop("PYTHONPATH", None)
-    if extra_path:
-        env["PYTHONPATH"] = extra_path
-    cmd = [python, "-c", code]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=os.path.dirname(python), env=env)
-    return None if proc.returncode == 0 else (proc.stderr.strip().splitlines() or ["unknown error"])[-1]
-
-
-def _borrow(python: str) -> tuple[str | None, list[str], str | None]:
-    """A folder of symlinks, for the reference's PYTHONPATH, to this interpreter's packages (and their
-    ``.dist-info``, which transformers' version checks read) that the reference interpreter lacks to import
-    transformers, accelerate and its trainer plugin. Returns (folder or None, borrowed names, the error that
-    remains or None)."""
-    import atexit
-    import glob
-    import shutil
-    import tempfile
-
-    if _probe_error(python, None, _PROBE) is None:
-        return None, [], None
-    shim = tempfile.mkdtemp(prefix="qat_step_shim_")
-    atexit.register(shutil.rmtree, shim, True)  # removes the symlinks, never what they point to
-    dists = importlib.metadata.packages_distributions()
-    borrowed: list[str] = []
-    err = None
-    for _ in range(30):
-        err = _probe_error(python, shim, _PROBE)
-        if err is None:
-            return shim, borrowed, None
-        missing = re.search(r"No module named '([^'.]+)", err) or re.search(
-            r"The '([A-Za-z0-9_.\-]+?)(?:[<>=!~ ].*)?' distribution was not found", err
-        )
-        name = missing.group(1).replace("-", "_") if missing else None
-        spec = importlib.util.find_spec(name) if name else None
-        if spec is None or not spec.origin or name in borrowed:
-            break
-        src = os.path.dirname(spec.origin) if spec.submodule_search_locations else spec.origin
-        os.symlink(src, os.path.join(shim, os.path.basename(src)))
-        site = os.path.dirname(src)
-        for dist in dists.get(name, []):
-            for info in glob.glob(os.path.join(site, f"{dist.replace('-', '_')}-*.dist-info")):
-                target = os.path.join(shim, os.path.basename(info))
-                if not os.path.exists(target):
-                    os.symlink(info, target)
-        borrowed.append(name)
-    return shim, borrowed, err
 
 
 def _run_child(which: str, config: str, malloc: str, python: str, extra_path: str | None, args) -> dict:
@@ -543,34 +469,22 @@ def _details(m: dict | None) -> str:
 
 def _cell(m: dict | None, plain: dict) -> tuple[str, str]:
     """(``median (min)`` seconds, ratio to plain ``median (min)``) table cells."""
-    if m is None:
-        return "skipped", ""
-    if "error" in m:
-        return f"n/a (reason: {m['error']})", "n/a"
-    flag = " (loaded)" if m["loaded_runs"] else ""
-    ratio = "n/a"
-    if "error" not in plain:
-        ratio = f"{m['median_s'] / plain['median_s']:.2f}x ({m['min_s'] / plain['min_s']:.2f}x)"
-    return h.fmt_median_min(m) + flag, ratio
+    if m is None or "error" in m:
+        return h.fmt_cell(m), "" if m is None else "n/a"
+    ratio = "n/a" if "error" in plain else h.fmt_ratio(m, plain)
+    return h.fmt_cell(m) + (" (loaded)" if m["loaded_runs"] else ""), ratio
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="QATTrainer step time vs plain transformers.Trainer")
-    parser.add_argument("--threads", type=int, default=2)
+    parser = h.common(
+        h.parser(__doc__), threads=2, quick="2 timed steps after 1 warm-up, FP8 and NVFP4",
+        json="write the raw numbers here", reference="interpreter with nvidia-modelopt (else no ref column)",
+    )  # fmt: skip
     parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps per process")
     parser.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps first")
     parser.add_argument("--rounds", type=int, default=1, help="fresh processes per trainer and preset")
-    parser.add_argument("--quick", action="store_true", help="2 timed steps after 1 warm-up, FP8 and NVFP4")
     parser.add_argument("--configs", nargs="+", help=f"subset of {CONFIGS}")
-    parser.add_argument("--json", help="write the raw numbers here")
-    parser.add_argument("--max-other-load", type=float, default=0.25)
-    parser.add_argument("--retries", type=int, default=1, help="reruns of a disturbed child")
-    parser.add_argument("--max-wait", type=float, default=120, help="s to wait for a quiet machine per run")
-    parser.add_argument(
-        "--reference-python",
-        default=h.default_reference_python(),
-        help="interpreter with nvidia-modelopt installed (reference column skipped when missing)",
-    )
+    h.load_flags(parser, max_wait=120, retries=1)
     parser.add_argument("--no-reference", action="store_true", help="skip nvidia-modelopt")
     parser.add_argument(
         "--malloc", choices=["both", "on", "off"],
@@ -598,9 +512,9 @@ def main() -> None:
         "--levers-off", action="store_true",
         help="with --interleaved: also each preset with the native kernels and shared outputs off",
     )  # fmt: skip
-    parser.add_argument("--child", choices=["plain", "ours", "ref", "interleaved"], help=argparse.SUPPRESS)
-    parser.add_argument("--config", default="none", help=argparse.SUPPRESS)
+    h.hidden(parser, child=["plain", "ours", "ref", "interleaved"], config=str)
     args = parser.parse_args()
+    args.config = args.config or "none"
     if (args.model or args.qad is not None) and not args.interleaved and args.child != "interleaved":
         parser.error("--model and --qad need --interleaved")
     if args.model:
@@ -633,21 +547,14 @@ def main() -> None:
         f"{args.threads}; {args.steps} timed steps after {args.warmup} warm-up step(s), {args.rounds} "
         "round(s); each train() in a fresh process", flush=True,
     )  # fmt: skip
-    ref_python, ref_path, ref_note = args.reference_python, None, ""
-    if args.no_reference or not ref_python:
-        ref_note = "skipped (--no-reference)" if args.no_reference else h.no_reference_python()
-    elif not os.path.exists(ref_python):
-        ref_note = f"{ref_python} does not exist"
-    else:
-        err = _probe_error(ref_python, None, "import modelopt.torch.quantization")
-        if err is not None:
-            ref_note = f"`import modelopt.torch.quantization` failed: {err}"
-        else:
-            ref_path, borrowed, err = _borrow(ref_python)
-            if err is not None:
-                ref_note = f"`import {REF_TRAINER}` (with transformers, accelerate) failed: {err}"
-            elif borrowed:
-                print(f"note: {ref_python} borrows {', '.join(borrowed)} from {sys.executable}", flush=True)
+    ref_python, ref_path, ref_note = args.reference_python, None, "skipped (--no-reference)"
+    if not args.no_reference and h.reference_usable(ref_python)[0]:
+        ref_path, borrowed, err = h.borrow(ref_python, _PROBE)  # transformers, accelerate and its trainer
+        ref_note = f"`import {REF_TRAINER}` (with transformers, accelerate) failed: {err}" if err else ""
+        if borrowed and not err:
+            print(f"note: {ref_python} borrows {', '.join(borrowed)} from {sys.executable}", flush=True)
+    elif not args.no_reference:
+        ref_note = h.reference_usable(ref_python)[1]
     ref_ok = not ref_note
     if not ref_ok:
         print(f"note: reference: {ref_note}", flush=True)
@@ -678,15 +585,10 @@ def main() -> None:
         "setting\n"
     )
     head = "| trainer, recipe |"
-    rule = "|---|"
     for m in mallocs:
         label = "glibc as it comes" if m == "off" else "malloc_tuning on"
         head += f" s/step, {label} | / plain ({m}) |"
-        rule += "---|---|"
-    if len(mallocs) == 2:
-        head += " on / off |"
-        rule += "---|"
-    print(head + "\n" + rule)
+    print(h.table_head(head + (" on / off |" if len(mallocs) == 2 else "")))
 
     def row(label: str, which: str, config: str) -> None:
         line = f"| {label} |"
@@ -699,7 +601,7 @@ def main() -> None:
         if len(mallocs) == 2:
             on, off = cells["on"], cells["off"]
             ok = on is not None and off is not None and "error" not in on and "error" not in off
-            line += f" {_ratio(on, off)} |" if ok else " |"
+            line += f" {h.fmt_ratio(on, off)} |" if ok else " |"
         print(line)
 
     row("plain `Trainer`", "plain", "none")
@@ -741,19 +643,9 @@ def main() -> None:
         if "error" in m:
             tb = (m.get("traceback") or "").strip().splitlines()
             print(f"\n{' '.join(key)} failed: {m['error']}" + ("\n  " + "\n  ".join(tb[-5:]) if tb else ""))
-    if args.json:
-        with open(args.json, "w") as f:
-            meta = dict(threads=args.threads, steps=args.steps, warmup=args.warmup, rounds=args.rounds)
-            meta.update(
-                reference_python=ref_python, reference_note=ref_note, configs=configs, mallocs=mallocs
-            )
-            rows = {"/".join(key): m for key, m in pooled.items()}
-            json.dump({**meta, "results": rows}, f, indent=1)
-
-
-def _ratio(a: dict, b: dict) -> str:
-    """``median ratio (min ratio)`` of two pooled timings."""
-    return f"{a['median_s'] / b['median_s']:.2f}x ({a['min_s'] / b['min_s']:.2f}x)"
+    meta = dict(threads=args.threads, steps=args.steps, warmup=args.warmup, rounds=args.rounds)
+    meta.update(reference_python=ref_python, reference_note=ref_note, configs=configs, mallocs=mallocs)
+    h.write_json(args.json, {**meta, "results": {"/".join(key): m for key, m in pooled.items()}})
 
 
 if __name__ == "__main__":

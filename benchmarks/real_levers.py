@@ -1,11 +1,14 @@
-"""Which levers recover NVFP4 W4A4 PTQ accuracy on a real pretrained LLM (SmolLM2-135M by default).
+"""Which levers recover NVFP4 W4A4 PTQ accuracy on a real pretrained LLM (SmolLM2-135M by default)?
 
-    MODELOPT_LITE_CACHE=... OMP_NUM_THREADS=2 python benchmarks/real_levers.py \\
-        [--model smollm2-135m | --model-dir DIR] [--calib-size 32] [--calib-seq 512] [--batch-size 4] \\
-        [--val-windows 8] [--test-windows 16] [--eval-seq 512] [--levers max,awq_lite,...] \\
-        [--aq-bits 4.5,5,6] [--aq-score-steps 4] [--threads 2] [--workdir DIR] \\
-        [--json F] [--md F] [--png F] [--quick]
-    python benchmarks/real_levers.py --merge A.json B.json [--json F] [--md F] [--png F]
+Published in ``docs/real_model.md``, "Levers on NVFP4 W4A4" (``docs/real_levers.json`` / ``.png``; two runs
+of ``--levers`` subsets, then merged):
+
+    python benchmarks/real_levers.py --calib-size 16 --workdir W --json a.json \\
+        --levers max,awq_lite,weight_only,act_only,fp8,gptq,awq_lite+gptq,rotation,rotation+awq_lite,...
+    python benchmarks/real_levers.py --calib-size 16 --workdir W --json b.json --aq-bits 5,4.5,6 \\
+        --levers max,local_hessian,awq_full,smoothquant,auto_quantize
+    python benchmarks/real_levers.py --merge a.json b.json --json docs/real_levers.json \\
+        --png docs/real_levers.png
 
 Every row quantizes a fresh copy of the unquantized model with NVFP4 weights and activations (W4A4, KV
 cache unquantized, ``lm_head`` excluded as the presets do) and one lever, calibrated on the first
@@ -40,11 +43,11 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import _harness as h
 import _real_ptq_peer as peer
 
 GOAL_GAP = 0.60  # the best W4A4 recipe removes >= 60% of max calibration's test-perplexity gap
@@ -92,28 +95,17 @@ LEVERS: dict[str, Lever] = {
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="smollm2-135m", help="a real model of modelopt_lite.models.REAL_MODELS")
-    p.add_argument("--model-dir", help="a Hugging Face checkpoint folder instead of --model")
-    p.add_argument("--calib-size", type=int, default=32)
-    p.add_argument("--calib-seq", type=int, default=512)
-    p.add_argument("--batch-size", type=int, default=4, help="calibration and evaluation batch")
+    p = h.real_model_flags(h.parser(__doc__))
     p.add_argument("--val-windows", type=int, default=8)
     p.add_argument("--test-windows", type=int, default=16)
-    p.add_argument("--eval-seq", type=int, default=512)
     p.add_argument("--levers", default=",".join(LEVERS), help=f"comma-separated from {list(LEVERS)}")
     p.add_argument("--aq-bits", default="4.5,5,6", help="auto_quantize effective-bits budgets")
     p.add_argument(
         "--aq-score-steps", type=int, default=4, help="calibration batches that score auto_quantize"
     )
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", help="keep the reference log-probabilities here (reused when present)")
     p.add_argument("--merge", nargs="+", help="join these JSON results (same protocol) instead of running")
-    p.add_argument("--quick", action="store_true", help="smoke run: 4 x 64 calibration, 2 x 64 evaluation")
-    p.add_argument("--json")
-    p.add_argument("--md")
-    p.add_argument("--png")
+    h.common(p, threads=2, seed=0, quick="4 x 64 calibration, 2 x 64 evaluation", json="", md="", png="")
     args = p.parse_args(argv)
     if args.quick:
         args.calib_size, args.calib_seq, args.batch_size = 4, 64, 2
@@ -342,20 +334,13 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def _f(x: Any, spec: str) -> str:
-    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
-
-
 def _pct(x: float | None) -> str:
     return "n/a" if x is None or math.isnan(x) else f"{100 * x:.0f}%"
 
 
 def table(result: dict[str, Any]) -> str:
-    head = (
-        "| row | validation ppl | test ppl | gap removed (test) | KL (test) | top-1 (test) | calibration s |"
-        "\n"
-        "|---|---|---|---|---|---|---|\n"
-    )
+    cols = "validation ppl | test ppl | gap removed (test) | KL (test) | top-1 (test) | calibration s"
+    head = h.table_head(f"| row | {cols} |") + "\n"
     f = result["float"]
     lines = [f"| unquantized | {f['validation']['ppl']:.2f} | {f['test']['ppl']:.2f} | | 0 | 1 | |"]
     for r in result["rows"]:
@@ -400,14 +385,9 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def plot(result: dict[str, Any], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = [r for r in result["rows"] if "error" not in r and "gap_removed" in r]
     labels = [r["name"] for r in rows]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 0.35 * len(rows) + 2), sharey=True)
+    fig, (a, b) = h.pyplot().subplots(1, 2, figsize=(12, 0.35 * len(rows) + 2), sharey=True)
     y = range(len(rows))
     a.barh(list(y), [r["test"]["ppl"] for r in rows], color="tab:blue")
     a.axvline(result["float"]["test"]["ppl"], color="k", ls="--", label="unquantized")
@@ -421,16 +401,12 @@ def plot(result: dict[str, Any], path: str) -> None:
     a.set_yticks(list(y), labels)
     a.invert_yaxis()
     fig.suptitle(f"NVFP4 W4A4 levers on {result['protocol']['model']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    h.save_figure(fig, path)
 
 
 def write_outputs(result: dict[str, Any], args: argparse.Namespace) -> None:
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
-    if args.md:
-        Path(args.md).write_text(markdown(result))
+    h.write_json(args.json, result)
+    h.write_text(args.md, markdown(result))
     if args.png and result["rows"]:
         plot(result, args.png)
 
@@ -491,10 +467,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace, argv: list[str] | None, work: Path) -> int:
     """Every lever of ``args.levers``; the unquantized log-probabilities in ``work`` (reused when there)."""
+    h.pin_threads(args.threads, args.seed)
     import torch
 
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
     base, data = load(args)
     calib = list(data["fit"].split(args.batch_size))
     refs, float_row = {}, {}
@@ -514,7 +489,7 @@ def run(args: argparse.Namespace, argv: list[str] | None, work: Path) -> int:
         "float": float_row,
         "run": {
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "command": "python benchmarks/real_levers.py " + " ".join(sys.argv[1:] if argv is None else argv),
+            "command": h.command(__file__, argv),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
             f"{args.threads} threads",
             "code": _git(),
@@ -530,16 +505,8 @@ def run(args: argparse.Namespace, argv: list[str] | None, work: Path) -> int:
         try:
             rows = run_lever(name, base, calib, data, refs, args)
         except Exception as err:  # a lever that fails on this model is a result: record it, go on
-            first = (str(err).strip().splitlines() or [""])[0]
-            rows = [
-                {
-                    "name": name,
-                    "label": LEVERS[name].label,
-                    "kind": LEVERS[name].kind,
-                    "error": f"{type(err).__name__}: {first}"[:300],
-                    "traceback": traceback.format_exc(),
-                }
-            ]
+            lever = LEVERS[name]
+            rows = [{"name": name, "label": lever.label, "kind": lever.kind, **h.error_result(err, 300)}]
             print(rows[0]["traceback"], file=sys.stderr, flush=True)
         for r in rows:
             if "error" not in r:

@@ -1,10 +1,15 @@
-"""PTQ on a real pretrained LLM, side by side with nvidia-modelopt and torchao, and the export round trip.
+"""How close is our PTQ of a real LLM to nvidia-modelopt's and torchao's, and does its export reload exactly?
 
-    MODELOPT_LITE_CACHE=... MODELOPT_REFERENCE_PYTHON=DIR/modelopt/bin/python \\
-    TORCHAO_PYTHON=DIR/torchao/bin/python python benchmarks/real_ptq.py \\
-        [--model smollm2-135m | --model-dir DIR] [--calib-size 32] [--calib-seq 512] [--batch-size 4] \\
-        [--eval-windows 16] [--eval-seq 512] [--formats fp8,nvfp4,...] [--kv-rows ...] [--torchao-rows ...] \\
-        [--no-ours] [--no-roundtrip] [--threads 1] [--json F] [--md F] [--png F] [--quick]
+Published in ``docs/real_model.md``, "PTQ on SmolLM2-135M" (``docs/real_ptq.json`` / ``.png``: these two runs,
+joined with ``--report``; its other sections give their own commands):
+
+    export MODELOPT_LITE_CACHE=... MODELOPT_REFERENCE_PYTHON=DIR/modelopt/bin/python \\
+        TORCHAO_PYTHON=DIR/torchao/bin/python
+    python benchmarks/real_ptq.py --calib-size 4 --calib-seq 256 --eval-windows 8 --roundtrip-windows 2 \\
+        --peer-timeout 5600 --json run.json
+    MODELOPT_REFERENCE_PYTHON= python benchmarks/real_ptq.py --calib-size 4 --calib-seq 256 \\
+        --eval-windows 8 --roundtrip-windows 2 --formats int8_wo,int4_awq,w4a16_nvfp4 --kv-rows "" \\
+        --torchao-rows intx4_wo_g64,nvfp4_wo --json fix.json
 
 One model, one set of windows for every row: the first ``--calib-size`` windows of ``--calib-seq`` tokens of
 the corpus' ``fit`` split calibrate (batches of ``--batch-size``), the first ``--eval-windows`` windows of
@@ -61,7 +66,6 @@ import _harness as h
 import _real_ptq_peer as peer
 from _real_ptq_report import GOAL, ROUNDTRIP_GOAL, comparison, markdown, plot, table
 
-TORCHAO_PYTHON_ENV = "TORCHAO_PYTHON"
 WORKER = str(Path(__file__).with_name("_real_ptq_peer.py"))
 __all__ = [
     "GOAL",
@@ -81,19 +85,15 @@ KV_ROWS = {"nvfp4+fp8kv": ("nvfp4", "fp8"), "nvfp4+nvfp4kv": ("nvfp4", "nvfp4"),
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from modelopt_lite.cli.ptq import QFORMATS
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="smollm2-135m", help="a real model of modelopt_lite.models.REAL_MODELS")
-    p.add_argument("--model-dir", help="a Hugging Face checkpoint folder instead of --model")
-    p.add_argument("--calib-size", type=int, default=32)
-    p.add_argument("--calib-seq", type=int, default=512)
-    p.add_argument("--batch-size", type=int, default=4, help="calibration and evaluation batch")
+    p = h.real_model_flags(h.parser(__doc__))
     p.add_argument("--eval-windows", type=int, default=16)
-    p.add_argument("--eval-seq", type=int, default=512)
     p.add_argument("--formats", default=",".join(QFORMATS), help="comma-separated --qformat names")
     p.add_argument("--kv-rows", default=",".join(KV_ROWS), help=f"comma-separated from {list(KV_ROWS)}")
     p.add_argument("--torchao-rows", default=",".join(peer.TORCHAO_CONFIGS))
-    p.add_argument("--reference-python", default=h.default_reference_python())
-    p.add_argument("--torchao-python", default=os.environ.get(TORCHAO_PYTHON_ENV) or None)
+    h.common(
+        p, threads=(1, "threads of each process (ours and a peer's)"), seed=0, reference="nvidia-modelopt's"
+    )
+    p.add_argument("--torchao-python", default=h.default_reference_python(h.TORCHAO_PYTHON_ENV))
     p.add_argument("--no-ours", dest="ours", action="store_false")
     p.add_argument("--no-roundtrip", dest="roundtrip", action="store_false", help="skip export and reload")
     p.add_argument(
@@ -102,11 +102,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="the first this many test windows measure the export round trip (default: all)",
     )
-    p.add_argument("--threads", type=int, default=1, help="threads of each process (ours and a peer's)")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--peer-timeout", type=float, default=3600, help="seconds per peer worker")
     p.add_argument("--workdir", help="keep the reference log-probabilities and exports here (default: temp)")
-    p.add_argument("--quick", action="store_true", help="smoke run: 4 x 128 calibration, 2 x 128 evaluation")
+    h.common(p, quick="4 x 128 calibration, 2 x 128 evaluation", json="", md="", png="")
     p.add_argument(
         "--report",
         nargs="+",
@@ -114,9 +112,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="measure nothing: the tables and figure (with --json: the merged file) of the --json files of "
         "runs on the same windows (a later file's rows add to or replace earlier ones, by library and name)",
     )
-    p.add_argument("--json")
-    p.add_argument("--md")
-    p.add_argument("--png")
     args = p.parse_args(argv)
     if args.quick:
         args.calib_size, args.calib_seq, args.eval_windows, args.eval_seq, args.batch_size = 4, 128, 2, 128, 2
@@ -271,7 +266,7 @@ def _reload_rows(
             }
             del reloaded
         except Exception as err:  # recorded in the row
-            row[kind] = {"error": peer.error_text(err)}
+            row[kind] = {"error": h.error_text(err, 400)}
 
 
 def roundtrip(row: dict[str, Any], model: Any, prep: dict[str, Any], args: Any, out: Path) -> None:
@@ -293,7 +288,7 @@ def roundtrip(row: dict[str, Any], model: Any, prep: dict[str, Any], args: Any, 
         row["kv_cache_quant_algo"] = quant.get("kv_cache_quant_algo")
         row["bytes_vs_bf16"] = result.ratios
     except Exception as err:  # recorded in the row
-        row["export_error"] = peer.error_text(err)
+        row["export_error"] = h.error_text(err, 400)
         return
     windows = prep["test"][: args.roundtrip_windows]
     prep = {**prep, "export_dir": out}
@@ -363,7 +358,7 @@ def our_rows(prep: dict[str, Any], args: argparse.Namespace, work: Path, sink: A
                 row["export_error"] = f"not exportable ({qformat} is in cli.ptq.NOT_EXPORTABLE)"
             del model
         except Exception as err:  # recorded in the row
-            row["error"] = peer.error_text(err)
+            row["error"] = h.error_text(err, 400)
             print(f"  ours {name}: {row['error']}", flush=True)
         row["seconds"] = time.perf_counter() - start
         rows.append(row)
@@ -390,8 +385,7 @@ def run_worker(name: str, python: str, spec: dict[str, Any], work: Path, args: a
         stdout, _ = proc.communicate()
         timed_out = True
     log.close()
-    rows = peer.parse_lines(stdout, peer.ROW_PREFIX)
-    results = peer.parse_lines(stdout, peer.RESULT_PREFIX)
+    rows, results = h.parse_results(stdout, peer.ROW_PREFIX), h.parse_results(stdout)
     result = results[-1] if results else {"error": f"worker exited {proc.returncode} without a result"}
     if timed_out:
         result["error"] = f"stopped after --peer-timeout {args.peer_timeout:.0f} s"
@@ -454,16 +448,14 @@ def merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def report(result: dict[str, Any], args: argparse.Namespace) -> int:
     """Print the tables; write ``--md`` and ``--png`` (and name ``--json``, written by now)."""
     print("\n" + table(result) + "\n")
-    if args.md:
-        Path(args.md).write_text(markdown(result) + "\n")
-        print(f"wrote {args.md}")
+    h.write_text(args.md, markdown(result))
     if args.png:
         plot(result, args.png)
-        print(f"wrote {args.png}")
-    if args.json and args.report:  # the merged runs
-        Path(args.json).write_text(json.dumps(result, indent=1, default=str) + "\n")
-    if args.json:
-        print(f"wrote {args.json}")
+    if args.report:  # the merged runs
+        h.write_json(args.json, result, default=str)
+    for path in (args.md, args.png, args.json):
+        if path:
+            print(f"wrote {path}")
     return 0
 
 
@@ -471,15 +463,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.report:
         return report(merge([json.loads(Path(f).read_text()) for f in args.report]), args)
-    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(args.threads)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    h.pin_threads(args.threads, args.seed)
     import torch
     import transformers
 
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    command = " ".join(["python benchmarks/real_ptq.py", *(sys.argv[1:] if argv is None else argv)])
+    command = h.command(__file__, argv)
     start = time.perf_counter()
     tmp = None
     if args.workdir:
@@ -511,13 +499,14 @@ def main(argv: list[str] | None = None) -> int:
         def save(ours: list[dict[str, Any]] | None = None) -> None:
             if ours is not None:
                 result["ours"] = ours
-            if args.json:  # also after each of our rows (a partial run keeps them)
-                Path(args.json).write_text(json.dumps(result, indent=1, default=str) + "\n")
+            h.write_json(
+                args.json, result, default=str
+            )  # also after each of our rows (a partial run keeps them)
 
         if not args.reference_python:
             print(f"reference rows skipped: {h.no_reference_python()}", flush=True)
         if not args.torchao_python and args.torchao_rows:
-            print(f"torchao rows skipped: {h.no_reference_python('--torchao-python', TORCHAO_PYTHON_ENV)}")
+            print(f"torchao rows skipped: {h.no_reference_python('--torchao-python', h.TORCHAO_PYTHON_ENV)}")
         reference = None
         if args.reference_python:  # in the background, while our rows run
             reference = threading.Thread(target=reference_run, args=(prep, args, work, result["peers"]))
@@ -530,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
             reference.join()
         result["comparison"] = comparison(result)
         result["meta"]["wall_minutes"] = round((time.perf_counter() - start) / 60, 1)
-        result["meta"]["peak_rss_mb"] = peer._peak_rss_mb()  # this process (our rows)
+        result["meta"]["peak_rss_mb"] = h.peak_rss_mb()  # this process (our rows)
         save()
         report(result, args)
     finally:

@@ -99,8 +99,9 @@ TRAIN_ROWS: dict[str, tuple[str, str, bool]] = {
         "qat nvfp4_46", "qad nvfp4_46", "qat int4", "qad int4", "qad int4 +la", "qad int4_awq",
         # the formats of the side-by-side with the peers (benchmarks/peers.py)
         "qat nvfp4_nokv", "qad nvfp4_nokv", "qat fp8", "qad fp8",
-        # real-model levers (issue 30): the tied embedding / lm_head frozen; learnable amax; better PTQ starts
-        "qad nvfp4_nokv +frozen_emb", "qad nvfp4_nokv +la", "qad nvfp4_nokv_awq", "qad nvfp4_nokv_rot",
+        # real-model levers (issue 30): the tied embedding / lm_head frozen; better PTQ starts (learnable
+        # amax: the int4 +la row; NVFP4 W4A4 has no static amax to learn)
+        "qad nvfp4_nokv +frozen_emb", "qad nvfp4_nokv_awq", "qad nvfp4_nokv_rot",
         "qad nvfp4_nokv_46", "qad w4a16_nvfp4 +frozen_emb",
     )
 }  # fmt: skip
@@ -343,6 +344,26 @@ def ptq_model(row: str, base: Any, calib_batches: Any) -> Any:
     return model
 
 
+def make_amax_learnable(student: Any) -> int:
+    """Make every static amax of the already quantized ``student`` learnable in place (the ``+la`` rows);
+    returns how many. Refuses a model with none (NVFP4 / MX block scales and dynamic scales have no amax to
+    learn), whose ``+la`` row would silently repeat the row without it."""
+    from modelopt_lite.formats import learnable_amax_error
+    from modelopt_lite.quantization import iter_quantizers
+
+    count = 0
+    for _, q in iter_quantizers(student):
+        if q.is_enabled and q.amax is not None and learnable_amax_error(q.spec) is None:
+            q.learn_amax = True
+            count += 1
+    if count == 0:
+        raise ValueError(
+            "a +la row, but no enabled quantizer of this model has a static amax to learn (NVFP4 / MX block "
+            "scales and dynamic scales have none): the row would repeat the row without +la"
+        )
+    return count
+
+
 def _training_args(
     args: argparse.Namespace, output_dir: str, steps: int, seed: int, lr: float | None = None
 ) -> Any:
@@ -382,15 +403,10 @@ def _train(
 ) -> tuple[Any, dict[str, Any]]:
     from transformers import Trainer
 
-    from modelopt_lite.quantization import iter_quantizers
     from modelopt_lite.training import DistillationArguments, QADTrainer, QATTrainer, QuantizationArguments
 
-    if learn_amax:  # the student is already quantized: make its static amax learnable in place
-        from modelopt_lite.formats import learnable_amax_error
-
-        for _, q in iter_quantizers(student):
-            if q.is_enabled and q.amax is not None and learnable_amax_error(q.spec) is None:
-                q.learn_amax = True
+    if learn_amax:
+        make_amax_learnable(student)
     if freeze_embeddings:  # the tied embedding / lm_head keeps its weights (a fifth of SmolLM2-135M's)
         student.get_input_embeddings().weight.requires_grad_(False)
         student.get_output_embeddings().weight.requires_grad_(False)

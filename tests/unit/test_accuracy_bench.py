@@ -5,7 +5,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
+
+from modelopt_lite.quantization import iter_quantizers
 
 from ._models import batches, tiny_llama
 
@@ -27,3 +30,12 @@ def test_rotation_rows_rotate_the_residual_stream() -> None:
         with torch.no_grad():
             assert not torch.equal(rotated(ids).logits, expected), row
     assert not hasattr(base.config, "modelopt_lite_rotation")  # the base model is left as it was
+
+
+def test_learnable_amax_rows_refuse_a_model_without_static_amax() -> None:
+    base, calib = tiny_llama(seed=0), batches(n=2)
+    with pytest.raises(ValueError, match="no enabled quantizer of this model has a static amax"):
+        accuracy.make_amax_learnable(accuracy.ptq_model("nvfp4_nokv", base, calib))
+    int4 = accuracy.ptq_model("int4", base, calib)
+    assert accuracy.make_amax_learnable(int4) > 0
+    assert any(q.learn_amax for _, q in iter_quantizers(int4))

@@ -86,7 +86,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.calib_size, args.score_size, args.eval_windows, args.bits = 4, 4, 4, "4.5,6,8"
-    args.seq_len = accuracy.CALIB_SEQ  # (load_data's training windows, unused here)
+    # load_data's other settings: training windows (unused here), the model's own evaluation windows, no
+    # off-distribution windows (accuracy.py's defaults for a benchmark model)
+    args.seq_len, args.eval_seq, args.train_windows, args.offdist_tokens = accuracy.CALIB_SEQ, None, None, 0
     args.formats, args.disabled_layers = h.csv(args.formats), h.csv(args.disabled_layers)
     return args
 

@@ -27,7 +27,7 @@ from modelopt_lite.formats.functional import dispatch_fake_quant
 spec = resolve_format(num_bits=(4, 3))
 before = native_call_count()
 assert torch.equal(dispatch_fake_quant(w, spec, w.abs().amax()), fake_quant_reference(w, spec, w.abs().amax()))
-from modelopt_lite.formats import native
+from modelopt_lite.formats.kernels import native
 
 if native._compiler() is not None:  # (without a C compiler the library runs the reference, with a WARNING)
     assert native_call_count() == before + 1, "the native fake-quant kernels did not run from the wheel"

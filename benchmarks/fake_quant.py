@@ -11,8 +11,8 @@ Shapes: a 4096x4096 fp32 weight and an 8x512x4096 fp32 activation, amax precompu
 only. For every format and thread count it prints the min and median of ``--repeats`` timed runs in
 M elements/s of
 
-- ``native``: our fake quant as it runs by default, the native one-pass kernels (``formats.native``; the
-  rows say when a case is not covered and fell back), into a fresh output,
+- ``native``: our fake quant as it runs by default, the native one-pass kernels
+  (``formats.kernels.native``; the rows say when a case is not covered and fell back), into a fresh output,
 - ``native+buf``: the same into an output buffer kept between calls (``out=``, what a quantizer does in
   training), so no allocation and no page faults: compare it with ``copy_``,
 - ``fused``: our fake quant with the compiled path on and the native kernels off

@@ -133,7 +133,7 @@ def test_nvfp4_affine_quantizes_the_input_itself_with_the_amax_of_the_centred_in
 
 
 def test_static_bias_calibration_in_several_processes_raises(monkeypatch):
-    monkeypatch.setattr("modelopt_lite.nn.quantizer.tensor_quantizer.is_distributed", lambda: True)
+    monkeypatch.setattr("modelopt_lite.nn.quantizer.calibration.is_distributed", lambda: True)
     with pytest.raises(NotImplementedError, match="not merged across ranks"):
         _calibrated({**FP8, "bias": AXES}, _x1())
 

@@ -500,7 +500,6 @@ def offdist_windows(model: Any, tokenizer: Any, new_tokens: int, seed: int = 0) 
 
 
 def measure(kind: str, args: argparse.Namespace) -> dict[str, Any]:
-
     t0 = time.perf_counter()
     base, tokenizer, evals, calib_batches, train_set = load_data(kind, args)
     eval_seq = base.config.max_position_embeddings

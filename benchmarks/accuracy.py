@@ -435,7 +435,8 @@ def _train(
 
 
 def run_training(trainer: Any) -> tuple[Any, dict[str, Any]]:
-    """Train; the trained model (unwrapped, eval mode) and the run's time, steps and first / last loss."""
+    """Train; the trained model (unwrapped, eval mode) and the run's time, steps, first / last loss and
+    every logged loss."""
     start = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - start
@@ -446,6 +447,9 @@ def run_training(trainer: Any) -> tuple[Any, dict[str, Any]]:
         "steps": trainer.state.global_step,
         "train_loss_first": losses[0] if losses else None,
         "train_loss_last": losses[-1] if losses else None,
+        # every logged loss and gradient norm (logging_steps), to compare two runs step by step
+        "train_losses": losses,
+        "train_grad_norms": [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h],
     }
 
 

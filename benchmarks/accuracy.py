@@ -168,8 +168,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--distill-chunk-size",
         type=int,
-        default=512,
-        help="tokens per chunk of the QAD loss (another value: the same objective, other rounding)",
+        default=None,
+        help="tokens per chunk of the QAD loss (default: the whole batch at once, the reference's "
+        "arithmetic bit for bit; a number: the same objective, less memory, other rounding)",
     )
     p.add_argument("--amax-lr-multiplier", type=float, default=1.0, help="lr of learnable amax (+la rows)")
     p.add_argument("--seeds", default="0", help="comma-separated Trainer seeds (the first runs every row)")
@@ -253,7 +254,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{flag.replace('_', '-')} must be positive")
     if args.ce_weight < 0:
         p.error("--ce-weight must be >= 0")
-    if args.distill_chunk_size < 1:
+    if args.distill_chunk_size is not None and args.distill_chunk_size < 1:
         p.error("--distill-chunk-size must be >= 1")
     if not args.seeds or any(b < 1 for b in args.budgets):
         p.error("--seeds needs at least one seed; --budgets must be positive")
@@ -756,7 +757,7 @@ def main(argv: list[str] | None = None) -> int:
         + " (warm-up 10%, "
         f"cosine), AdamW, QAD T={args.temperature:g}"
         + (f" CE weight {args.ce_weight:g}" if args.ce_weight else "")
-        + (f" loss chunk {args.distill_chunk_size}" if args.distill_chunk_size != 512 else "")
+        + (f" loss chunk {args.distill_chunk_size}" if args.distill_chunk_size is not None else "")
         + f", seeds {args.seeds}"
     )
     print(f"threads {args.threads}; every training row: {budget}" + (" [--quick]" if args.quick else ""))

@@ -161,8 +161,14 @@ class DistillationArguments:
     ce_loss_weight: float = field(
         default=0.0, metadata={"help": "Weight of the cross-entropy on the labels."}
     )
-    distill_chunk_size: int = field(
-        default=512, metadata={"help": "Tokens per chunk of the distillation loss."}
+    distill_chunk_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "None (default): the distillation loss on the whole batch at once, nvidia-modelopt's "
+            "arithmetic bit for bit. A number of tokens: the loss chunk by chunk, holding one chunk's "
+            "full-vocabulary logits instead of the batch's (less memory; the same loss up to float "
+            "rounding, which parts a training run from the reference's)."
+        },
     )
 
     def __post_init__(self) -> None:
@@ -174,8 +180,8 @@ class DistillationArguments:
             or self.kd_loss_weight + self.ce_loss_weight == 0
         ):
             raise ValueError("kd_loss_weight and ce_loss_weight must be >= 0 and not both 0")
-        if self.distill_chunk_size < 1:
-            raise ValueError(f"distill_chunk_size={self.distill_chunk_size!r} must be >= 1")
+        if self.distill_chunk_size is not None and self.distill_chunk_size < 1:
+            raise ValueError(f"distill_chunk_size={self.distill_chunk_size!r} must be None or >= 1")
 
 
 def _learnable(rule: QuantRule) -> QuantRule:

@@ -1,9 +1,17 @@
-"""Distillation loss computed in chunks of the sequence, so that the full-vocabulary float32 logits of
-the student and the teacher are never materialised at once.
+"""Distillation loss from the two models' last hidden states and LM heads, whole or in chunks of the sequence.
 
-``loss = kd_weight * T^2 * KL(teacher_T || student_T) + ce_weight * CE(student, labels)``, averaged over the
-tokens whose (shifted) label is not ``-100``. Position ``t`` predicts label ``t + 1``. Each chunk's student
-logits are recomputed in backward (activation checkpointing), so memory holds one chunk of logits.
+``loss = kd_weight * sum_t(T^2 * KL(teacher_T || student_T)) + ce_weight * sum_t(CE(student, labels))``,
+divided by the number of tokens whose (shifted) label is not ``-100``. Position ``t`` predicts label
+``t + 1``.
+
+Default (``chunk_size=None``): nvidia-modelopt's ``KDTrainer`` loss bit for bit (its
+``LogitsDistillationLoss`` with ``reduction="none"``, masked mean): the LM heads run on every position at
+once as the models' own forwards do, the last position is dropped, and the per-token KL is
+``kl_div(log_softmax(student / T), softmax(teacher / T)).sum(-1) * T^2``. With ``chunk_size`` the same loss
+runs ``chunk_size`` predicted tokens at a time and each chunk's student logits are recomputed in backward
+(activation checkpointing): memory holds one chunk's full-vocabulary logits instead of the batch's; the
+gradients are the same up to float rounding (the LM head's weight gradient is summed chunk by chunk), which
+is enough to part a quantized training run from the reference's.
 """
 
 from __future__ import annotations
@@ -17,6 +25,41 @@ from torch.utils.checkpoint import checkpoint
 __all__ = ["chunked_distillation_loss"]
 
 
+def _kd_per_token(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """``T^2 * KL(softmax(teacher / T) || softmax(student / T))`` per position (the last dimension is the
+    vocabulary), in the reference's expression and order of operations: ``kl_div`` of the student's
+    log-softmax against the teacher's softmax (not its log-softmax), summed over the vocabulary, then times
+    ``T^2``."""
+    soft_log_probs = F.log_softmax(student_logits / temperature, dim=-1)
+    soft_targets = F.softmax(teacher_logits / temperature, dim=-1)
+    return F.kl_div(soft_log_probs, soft_targets.detach(), reduction="none").sum(-1) * temperature**2
+
+
+def _sums(
+    student: torch.Tensor,
+    teacher: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    kd_weight: float,
+    ce_weight: float,
+) -> torch.Tensor:
+    """The weighted sums of the per-token losses over the positions whose label is not ``-100``."""
+    if student.shape[-1] != teacher.shape[-1]:
+        raise ValueError(
+            f"student vocabulary ({student.shape[-1]}) differs from the teacher's ({teacher.shape[-1]}): "
+            "distillation needs the same tokenizer"
+        )
+    mask = labels != -100
+    total = kd_weight * (_kd_per_token(student, teacher, temperature) * mask).sum()
+    if ce_weight:
+        vocab = student.shape[-1]
+        ce = F.cross_entropy(student.reshape(-1, vocab), labels.reshape(-1).clamp_min(0), reduction="none")
+        total = total + ce_weight * (ce * mask.reshape(-1)).sum()
+    return total
+
+
 def _chunk_sums(
     hs: torch.Tensor,
     ht: torch.Tensor,
@@ -27,23 +70,10 @@ def _chunk_sums(
     kd_weight: float,
     ce_weight: float,
 ) -> torch.Tensor:
-    mask = labels != -100
     student = student_head(hs).float()
     with torch.no_grad():
         teacher = teacher_head(ht).float()
-    if student.shape[-1] != teacher.shape[-1]:
-        raise ValueError(
-            f"student vocabulary ({student.shape[-1]}) differs from the teacher's ({teacher.shape[-1]}): "
-            "distillation needs the same tokenizer"
-        )
-    teacher_logp = F.log_softmax(teacher / temperature, dim=-1)
-    student_logp = F.log_softmax(student / temperature, dim=-1)
-    kl = (teacher_logp.exp() * (teacher_logp - student_logp)).sum(-1)
-    total = kd_weight * temperature**2 * (kl * mask).sum()
-    if ce_weight:
-        ce = F.cross_entropy(student, labels.clamp_min(0), reduction="none")
-        total = total + ce_weight * (ce * mask).sum()
-    return total
+    return _sums(student, teacher, labels, temperature, kd_weight, ce_weight)
 
 
 def _out_features(head: Callable[[torch.Tensor], torch.Tensor]) -> int | None:
@@ -60,15 +90,17 @@ def chunked_distillation_loss(
     temperature: float = 1.0,
     kd_weight: float = 1.0,
     ce_weight: float = 0.0,
-    chunk_size: int = 512,
+    chunk_size: int | None = None,
     num_items: int | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Distillation loss from the last hidden states ``(batch, seq, hidden)`` and the two LM heads (modules
     or functions: a quantized ``lm_head`` runs with its quantizers; ``nn.Identity`` turns the hidden states
     into logits). Divided by the number of predicted tokens, or by ``num_items`` when given (the token count
-    of a whole accumulated batch)."""
-    if temperature <= 0 or chunk_size < 1:
-        raise ValueError(f"temperature={temperature} must be > 0 and chunk_size={chunk_size} >= 1")
+    of a whole accumulated batch). ``chunk_size``: None (default) runs the heads on the whole batch at once,
+    the reference's arithmetic bit for bit; a number of tokens runs them chunk by chunk (less memory, the
+    same loss up to float rounding)."""
+    if temperature <= 0 or (chunk_size is not None and chunk_size < 1):
+        raise ValueError(f"temperature={temperature} must be > 0 and chunk_size={chunk_size} None or >= 1")
     vocab_s, vocab_t = _out_features(student_head), _out_features(teacher_head)
     if vocab_s is not None and vocab_t is not None and vocab_s != vocab_t:
         raise ValueError(
@@ -80,10 +112,17 @@ def chunked_distillation_loss(
             f"hidden states {tuple(student_hidden.shape)} / {tuple(teacher_hidden.shape)} do not match "
             f"labels {tuple(labels.shape)}"
         )
+    shifted = labels[:, 1:]
+    count = (shifted != -100).sum() if num_items is None else torch.as_tensor(num_items, device=labels.device)
+    if chunk_size is None:  # as the models' own forwards and the reference's loss: every position, then shift
+        student = student_head(student_hidden)[:, :-1].float()
+        with torch.no_grad():
+            teacher = teacher_head(teacher_hidden.detach())[:, :-1].float()
+        total = _sums(student, teacher, shifted, temperature, kd_weight, ce_weight)
+        return total / count.clamp_min(1)
     hs = student_hidden[:, :-1].reshape(-1, student_hidden.shape[-1])
     ht = teacher_hidden[:, :-1].reshape(-1, teacher_hidden.shape[-1]).detach()
-    lab = labels[:, 1:].reshape(-1)
-    count = (lab != -100).sum() if num_items is None else torch.as_tensor(num_items, device=hs.device)
+    lab = shifted.reshape(-1)
     total = student_hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, hs.shape[0], chunk_size):
         part = slice(start, start + chunk_size)

@@ -3,9 +3,11 @@ distribution: ``loss = kd_loss_weight * T^2 * KL(teacher_T || student_T) + ce_lo
 shifted tokens whose label is not ``-100``.
 
 Both models return their last hidden states and no logits (``logits_to_keep`` selects no position); the
-loss runs the two LM heads chunk by chunk (:func:`chunked_distillation_loss`), so the full-vocabulary fp32
-logits of the two models are never held at once. Models whose ``forward`` has no ``logits_to_keep`` fall
-back to full logits (a WARNING says so).
+loss runs the two LM heads (:func:`chunked_distillation_loss`). By default on the whole batch at once, the
+arithmetic of nvidia-modelopt's ``QADTrainer`` bit for bit (the same loss and gradients to the last bit, so
+the same training run); with ``DistillationArguments.distill_chunk_size`` chunk by chunk, so the
+full-vocabulary fp32 logits of the whole batch are never held at once (the same loss up to float rounding).
+Models whose ``forward`` has no ``logits_to_keep`` fall back to full logits (a WARNING says so).
 """
 
 from __future__ import annotations

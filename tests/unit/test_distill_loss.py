@@ -1,4 +1,5 @@
-"""Chunked distillation loss equals the straightforward full-logits computation (value and gradients)."""
+"""The distillation loss, whole (the default) or chunked, equals the straightforward full-logits computation
+(value and gradients)."""
 
 import pytest
 import torch
@@ -33,7 +34,7 @@ def _setup(vocab=50, hidden=16):
     return hs, ht, labels, nn.Linear(hidden, vocab), nn.Linear(hidden, vocab)
 
 
-@pytest.mark.parametrize("chunk_size", [1, 5, 100])
+@pytest.mark.parametrize("chunk_size", [None, 1, 5, 100])
 @pytest.mark.parametrize(("temperature", "ce_weight"), [(1.0, 0.0), (2.0, 0.5)])
 def test_chunked_loss_and_gradients_equal_the_full_computation(chunk_size, temperature, ce_weight):
     hs, ht, labels, head_s, head_t = _setup()

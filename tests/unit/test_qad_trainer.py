@@ -97,6 +97,60 @@ def test_the_loss_is_the_unchunked_kl_at_temperature_with_ce(tmp_path, make):
     assert torch.allclose(loss, expected, rtol=1e-5, atol=1e-6)
 
 
+def _reference_kd_loss(student, teacher, batch, temperature):
+    """nvidia-modelopt 0.47's ``KDTrainer`` training loss, written out from its definition (not imported):
+    full logits of both models from their own forwards, the last position dropped, per token
+    ``kl_div(log_softmax(s / T), softmax(t / T), reduction="none").sum(-1) * T^2``, masked by the shifted
+    labels, summed and divided by the number of unmasked tokens."""
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    logits_s = student(**inputs).logits[..., :-1, :].float()
+    with torch.no_grad():
+        logits_t = teacher(**inputs).logits[..., :-1, :].float()
+    per_token = torch.nn.functional.kl_div(
+        torch.log_softmax(logits_s / temperature, dim=-1),
+        torch.softmax(logits_t / temperature, dim=-1),
+        reduction="none",
+    ).sum(dim=-1)
+    per_token *= temperature**2
+    mask = batch["labels"][..., 1:] != -100
+    return (per_token * mask).sum() / mask.sum().clamp(min=1)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+@pytest.mark.parametrize("num_items", [False, True])
+def test_the_default_loss_is_the_references_bit_for_bit(tmp_path, temperature, num_items):
+    """The default recipe's arithmetic is the reference's: the same loss and the same gradient of every
+    parameter to the last bit (a rounding difference alone parts two quantized training runs)."""
+    teacher = tiny_llama(seed=1)
+    trainer = QADTrainer(
+        model=tiny_llama(),
+        args=cpu_args(tmp_path),
+        train_dataset=CountingData(),
+        quant_args=NVFP4,
+        distill_args=DistillationArguments(temperature=temperature),
+        teacher_model=teacher,
+    )
+    trainer.quantize_model()
+    model = trainer.model.train()
+    batch = trainer.data_collator([CountingData()[i] for i in range(3)])
+    batch["labels"][0, :4] = -100
+    count = (batch["labels"][:, 1:] != -100).sum() if num_items else None  # what Trainer passes
+
+    def loss_and_grads(compute):
+        model.zero_grad(set_to_none=True)
+        loss = compute()
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    ours, our_grads = loss_and_grads(lambda: trainer.compute_loss(model, batch, num_items_in_batch=count))
+    ref, ref_grads = loss_and_grads(lambda: _reference_kd_loss(model, teacher, batch, temperature))
+    assert torch.equal(ours, ref), (ours.item(), ref.item())
+    assert our_grads.keys() == ref_grads.keys()
+    assert len(ref_grads) > 0
+    unequal = [n for n in ref_grads if not torch.equal(our_grads[n], ref_grads[n])]
+    assert not unequal, unequal
+
+
 def test_teacher_from_a_path_in_the_students_dtype(tmp_path):
     tiny_llama(seed=1).save_pretrained(tmp_path / "teacher")
     student = tiny_llama().to(torch.bfloat16)

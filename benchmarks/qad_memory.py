@@ -20,9 +20,9 @@ Modes, each ``train()`` in a fresh process:
 
 * ``chunked``: ``QADTrainer`` with ``DistillationArguments(distill_chunk_size=--chunk)`` (default 256 tokens:
   the 4x511 predicted positions in 8 chunks; each chunk's fp32 logits are 256x32768x4 B = 32 MiB per model);
-* ``unchunked``: the same with ``distill_chunk_size = 4*512``, at least all predicted tokens, so the one
-  chunk holds the full fp32 logits of both models (2044x32768x4 B = 255.5 MiB each, plus their
-  log-softmaxes and, in backward, their gradients);
+* ``unchunked``: the same with ``distill_chunk_size=None`` (the default since the loss follows the
+  reference's arithmetic), the whole batch at once, so the step holds the full fp32 logits of both models
+  (2044x32768x4 B = 255.5 MiB each, plus their log-softmaxes and, in backward, their gradients);
 * ``QAT (no teacher)``: a plain ``QATTrainer`` step, the model's own cross-entropy on its full logits.
 
 Measured with a ``TrainerCallback``: the first optimizer step is a warm-up (it creates the AdamW state and
@@ -110,7 +110,7 @@ def _child(mode: str, recipe: str, chunk: int, threads: int, steps: int, name: s
         args = h.cpu_training_args(out, 1 + steps, BATCH, 1e-4)
         quant_args = QuantizationArguments(recipe=recipe, calib_size=CALIB_SAMPLES, calib_batch_size=BATCH)
         common = dict(model=model, args=args, train_dataset=data, quant_args=quant_args)
-        size = None if mode == "qat" else chunk if mode == "chunked" else BATCH * SEQ
+        size = chunk if mode == "chunked" else None
         if mode == "qat":
             trainer = QATTrainer(**common)
         else:
@@ -220,7 +220,7 @@ def main() -> None:
         if "error" in m:
             print(h.table_row(LABELS[mode], "", f"n/a (reason: {m['error']})", "", "", "", ""))
             continue
-        chunk = "-" if mode == "qat" else str(m["runs"][0]["chunk"])
+        chunk = "-" if mode == "qat" else str(m["runs"][0]["chunk"] or "all")
         mem_ratio = time_ratio = "n/a"
         if "error" not in ref:
             mem_ratio = f"{m['increase_mb'] / ref['increase_mb']:.2f}x" if ref["increase_mb"] > 0 else "n/a"

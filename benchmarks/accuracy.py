@@ -37,7 +37,11 @@ Rows. PTQ (fake quant, calibrated on the same windows):
   maximum, whichever has the smaller error) with FP8 KV cache: the adaptive-block-scale lever;
 * ``int4``: INT4 block-128 weight-only (max), ``int4_awq``: the same with AWQ (``INT4_AWQ_CFG``);
 * ``nvfp4_nokv``: ``NVFP4_DEFAULT_CFG`` as it is (W4A4, KV cache unquantized), ``fp8``: ``FP8_DEFAULT_CFG``
-  (W8A8 FP8, per-tensor amax): the formats of the side-by-side with the peers (``benchmarks/peers.py``).
+  (W8A8 FP8, per-tensor amax): the formats of the side-by-side with the peers (``benchmarks/peers.py``);
+  ``nvfp4_nokv_awq`` / ``_rot`` / ``_46``: that row with AWQ-lite / the rotation / adaptive block scales;
+  ``nvfp4_nokv_aq``: ``mtq.auto_quantize`` over NVFP4 W4A4, FP8 and unquantized per layer at
+  :data:`AQ_BITS` weight bits per parameter of the searched layers (gradient score on the first
+  :data:`AQ_SCORE_BATCHES` calibration batches; ``lm_head`` left out, as everywhere).
 
 Training (each from a copy of its PTQ row, so the trainer skips calibration and recovery compares against
 exactly that row): ``qat X`` = ``QATTrainer`` (cross-entropy), ``qad X`` = ``QADTrainer`` with the
@@ -90,7 +94,9 @@ PTQ_ROWS = (
 )
 # real-model lever starts (not in the default --ptq): AWQ-lite, the residual rotation, adaptive block scales,
 # each on NVFP4 W4A4 with the KV cache unquantized
-LEVER_PTQ_ROWS = ("nvfp4_nokv_awq", "nvfp4_nokv_rot", "nvfp4_nokv_46")
+LEVER_PTQ_ROWS = ("nvfp4_nokv_awq", "nvfp4_nokv_rot", "nvfp4_nokv_46", "nvfp4_nokv_aq")
+AQ_BITS = 5.0  # the nvfp4_nokv_aq row's auto_quantize budget (NVFP4 W4A4 alone is 4.5, FP8 alone 8.5)
+AQ_SCORE_BATCHES = 4
 # training rows, "MODE PTQ-ROW [+LEVER]": QAT or QAD from that PTQ row (+la: learnable amax)
 TRAIN_ROWS: dict[str, tuple[str, str, bool]] = {
     name: (name.split()[0], name.split()[1], name.endswith("+la"))
@@ -102,7 +108,7 @@ TRAIN_ROWS: dict[str, tuple[str, str, bool]] = {
         # real-model levers (issue 30): the tied embedding / lm_head frozen; better PTQ starts (learnable
         # amax: the int4 +la row; NVFP4 W4A4 has no static amax to learn)
         "qad nvfp4_nokv +frozen_emb", "qad nvfp4_nokv_awq", "qad nvfp4_nokv_rot",
-        "qad nvfp4_nokv_46", "qad w4a16_nvfp4 +frozen_emb",
+        "qad nvfp4_nokv_46", "qad nvfp4_nokv_aq", "qad w4a16_nvfp4 +frozen_emb",
     )
 }  # fmt: skip
 DEFAULT_TRAIN = (
@@ -124,6 +130,7 @@ LEVER_OF = {
     "nvfp4_nokv_awq": "nvfp4_nokv",
     "nvfp4_nokv_rot": "nvfp4_nokv",
     "nvfp4_nokv_46": "nvfp4_nokv",
+    "nvfp4_nokv_aq": "nvfp4_nokv",
 }
 TARGETS = {"qat nvfp4": 0.70, "qad nvfp4": 0.85}
 MODELS = ("bench-dense", "bench-moe", "dense", "moe", "smollm2-135m")
@@ -332,12 +339,27 @@ def ptq_config(row: str) -> dict[str, Any]:
 
 
 def ptq_model(row: str, base: Any, calib_batches: Any) -> Any:
-    """A quantized copy of ``base`` for PTQ ``row``: the ``*_rot`` rows rotate the residual stream first."""
+    """A quantized copy of ``base`` for PTQ ``row``: the ``*_rot`` rows rotate the residual stream first;
+    the ``*_aq`` row chooses a format per layer with ``mtq.auto_quantize``."""
     import torch
 
     import modelopt_lite.quantization as mtq
 
     model = copy.deepcopy(base)
+    if row == "nvfp4_nokv_aq":
+        loader = [{"input_ids": ids, "labels": ids} for ids in calib_batches]
+        model, _ = mtq.auto_quantize(
+            model,
+            constraints={"effective_bits": AQ_BITS},
+            quantization_formats=["NVFP4_DEFAULT_CFG", "FP8_DEFAULT_CFG", None],
+            data_loader=loader,
+            forward_step=lambda m, batch: m(**batch),
+            loss_func=lambda out, batch: out.loss,
+            num_calib_steps=len(loader),
+            num_score_steps=min(AQ_SCORE_BATCHES, len(loader)),
+            disabled_layers=["*lm_head*"],
+        )
+        return model
     if row.endswith("_rot"):
         mtq.rotate_residual(model)
     with torch.no_grad():

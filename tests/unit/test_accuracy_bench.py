@@ -39,3 +39,21 @@ def test_learnable_amax_rows_refuse_a_model_without_static_amax() -> None:
     int4 = accuracy.ptq_model("int4", base, calib)
     assert accuracy.make_amax_learnable(int4) > 0
     assert any(q.learn_amax for _, q in iter_quantizers(int4))
+
+
+def test_the_auto_quantize_row_mixes_formats_within_its_budget(monkeypatch) -> None:
+    """``nvfp4_nokv_aq`` is an auto_quantize search, not the plain NVFP4 row: some layers leave NVFP4 W4A4
+    (FP8 or unquantized) and the rest stay NVFP4 (7 bits: the tiny model's layers cannot all take NVFP4, so
+    its reachable range starts above the real model's 5)."""
+    monkeypatch.setattr(accuracy, "AQ_BITS", 7.0)
+    base, calib = tiny_llama(seed=0), batches(n=2)
+    model = accuracy.ptq_model("nvfp4_nokv_aq", base, calib)
+    weights = {n: q for n, q in iter_quantizers(model) if n.endswith("weight_quantizer")}
+    weights = {n: q for n, q in weights.items() if "lm_head" not in n}
+    nvfp4 = [n for n, q in weights.items() if q.is_enabled and q.spec.block_sizes]
+    assert nvfp4, sorted(weights)
+    assert len(nvfp4) < len(weights), sorted(weights)
+    plain = accuracy.ptq_model("nvfp4_nokv", base, calib)
+    ids = calib[0]
+    with torch.no_grad():
+        assert not torch.equal(model(ids).logits, plain(ids).logits)

@@ -732,7 +732,13 @@ def markdown(results: list[dict[str, Any]], steps: int) -> str:
     return "\n".join(lines)
 
 
+CURVE_COLORS = ("#5aa469", "#f0a94a", "#4a7bd0", "#c0504d", "#8064a2")
+
+
 def plot(results: list[dict[str, Any]], path: str, steps: int) -> None:
+    """Per model: the mean test recovery of every row at ``steps`` (bars, min-max over seeds), and the first
+    seed's recovery against budget for every QAT / QAD row run at two budgets or more (QAT's perplexity gap
+    is to its fine-tuned control; KL recovery is ``1 - KL_trained / KL_ptq``)."""
     fig, axes = h.pyplot().subplots(len(results), 2, figsize=(14, 4.2 * len(results)), squeeze=False)
     for (ax, curve), res in zip(axes, results, strict=True):
         lines = [s for s in res["summary"] if s["steps"] == steps and s.get("test_recovery") is not None]
@@ -753,17 +759,21 @@ def plot(results: list[dict[str, Any]], path: str, steps: int) -> None:
         ax.set_title(
             f"{res['kind']}: recovery after {steps} steps (bars: mean, lines: min-max over seeds)", fontsize=9
         )
-        for name, color in (("qat nvfp4", "#f0a94a"), ("qad nvfp4", "#5aa469")):
-            first = min((r["seed"] for r in res["rows"] if r["name"] == name), default=None)
-            mine = [r for r in res["rows"] if r["name"] == name and r["seed"] == first]
-            pts = sorted(
-                (r["steps"], 100 * r["test_recovery"]) for r in mine if r["test_recovery"] is not None
-            )
-            if pts:
-                curve.plot(*zip(*pts, strict=True), marker="o", color=color, label=name)
+        first = min((r["seed"] for r in res["rows"] if r.get("seed") is not None), default=None)
+        trained = [r for r in res["rows"] if r.get("seed") == first and r["method"] in ("qat", "qad")]
+        for i, name in enumerate(dict.fromkeys(r["name"] for r in trained)):
+            mine = [r for r in trained if r["name"] == name]
+            if len({r["steps"] for r in mine}) < 2:  # a curve needs two budgets
+                continue
+            color = CURVE_COLORS[i % len(CURVE_COLORS)]
+            for key, style, what in (("test_recovery", "-", "ppl gap"), ("kl_recovery", "--", "KL")):
+                pts = sorted((r["steps"], 100 * r[key]) for r in mine if r.get(key) is not None)
+                if pts:
+                    curve.plot(*zip(*pts, strict=True), marker="o", linestyle=style, color=color,
+                               label=f"{name}: {what}")  # fmt: skip
         curve.set_xscale("log", base=2)
         curve.set_xlabel("optimizer steps")
-        curve.set_ylabel("test recovery (%)")
+        curve.set_ylabel("test recovery (%): perplexity gap (solid), KL (dashed)")
         curve.set_title(f"{res['kind']}: recovery against budget (first seed)", fontsize=9)
         curve.legend(fontsize=8)
     h.save_figure(fig, path)

@@ -95,7 +95,7 @@ PTQ_ROWS = (
 # real-model lever starts (not in the default --ptq): AWQ-lite, the residual rotation, adaptive block scales,
 # each on NVFP4 W4A4 with the KV cache unquantized
 LEVER_PTQ_ROWS = ("nvfp4_nokv_awq", "nvfp4_nokv_rot", "nvfp4_nokv_46", "nvfp4_nokv_aq")
-AQ_BITS = 5.0  # the nvfp4_nokv_aq row's auto_quantize budget (NVFP4 W4A4 alone is 4.5, FP8 alone 8.5)
+AQ_BITS = 5.0  # the nvfp4_nokv_aq row's auto_quantize budget (NVFP4 W4A4 alone is 4.5, FP8 alone 8)
 AQ_SCORE_BATCHES = 4
 # training rows, "MODE PTQ-ROW [+LEVER]": QAT or QAD from that PTQ row (+la: learnable amax)
 TRAIN_ROWS: dict[str, tuple[str, str, bool]] = {

@@ -40,8 +40,9 @@ Rows. PTQ (fake quant, calibrated on the same windows):
   (W8A8 FP8, per-tensor amax): the formats of the side-by-side with the peers (``benchmarks/peers.py``);
   ``nvfp4_nokv_awq`` / ``_rot`` / ``_46``: that row with AWQ-lite / the rotation / adaptive block scales;
   ``nvfp4_nokv_aq``: ``mtq.auto_quantize`` over NVFP4 W4A4, FP8 and unquantized per layer at
-  :data:`AQ_BITS` weight bits per parameter of the searched layers (gradient score on the first
-  :data:`AQ_SCORE_BATCHES` calibration batches; ``lm_head`` left out, as everywhere).
+  :data:`AQ_BITS` weight bits per parameter of the decoder's linear layers (``lm_head``, unquantized, is
+  left out of the budget; gradient score on the first
+  :data:`AQ_SCORE_BATCHES` calibration batches).
 
 Training (each from a copy of its PTQ row, so the trainer skips calibration and recovery compares against
 exactly that row): ``qat X`` = ``QATTrainer`` (cross-entropy), ``qad X`` = ``QADTrainer`` with the
@@ -350,7 +351,7 @@ def ptq_model(row: str, base: Any, calib_batches: Any) -> Any:
         loader = [{"input_ids": ids, "labels": ids} for ids in calib_batches]
         model, _ = mtq.auto_quantize(
             model,
-            constraints={"effective_bits": AQ_BITS},
+            constraints={"effective_bits": h.aq_budget(model)(AQ_BITS)},
             quantization_formats=["NVFP4_DEFAULT_CFG", "FP8_DEFAULT_CFG", None],
             data_loader=loader,
             forward_step=lambda m, batch: m(**batch),

@@ -215,7 +215,7 @@ def run_auto_quantize(
 
     loader = [{"input_ids": b, "labels": b} for b in calib]
     model = copy.deepcopy(base)
-    total = budget_translation(model)
+    total = h.aq_budget(model)
     start = time.perf_counter()
     model, state = mtq.auto_quantize(
         model,
@@ -255,19 +255,6 @@ def run_auto_quantize(
         row.update(measure_both(model, data, refs, args.batch_size))
         rows.append(row)
     return rows
-
-
-def budget_translation(model: Any) -> Any:
-    """``bits -> auto_quantize's effective_bits``: ``bits`` per weight of the decoder's linear layers, with
-    ``lm_head`` disabled (unquantized, as in the presets), which auto_quantize's budget counts at 16 bits (as
-    the reference's does); ``lm_head`` holds a fifth of SmolLM2-135M's searched weights, so without this
-    translation no budget under 6.9 bits would be reachable."""
-    from torch import nn
-
-    head = model.get_output_embeddings()
-    layers = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear) and m is not head)
-    n_head = head.weight.numel()
-    return lambda bits: (layers * bits + n_head * 16) / (layers + n_head) + 1e-9
 
 
 def _count_formats(cfgs: list[dict[str, Any]]) -> dict[str, int]:

@@ -70,10 +70,21 @@ def _chunk_sums(
     kd_weight: float,
     ce_weight: float,
 ) -> torch.Tensor:
+    student, teacher = _logits(hs, ht, student_head, teacher_head)
+    return _sums(student, teacher, labels, temperature, kd_weight, ce_weight)
+
+
+def _logits(
+    hs: torch.Tensor,
+    ht: torch.Tensor,
+    student_head: Callable[[torch.Tensor], torch.Tensor],
+    teacher_head: Callable[[torch.Tensor], torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two heads' float32 logits; the teacher's without autograd."""
     student = student_head(hs).float()
     with torch.no_grad():
         teacher = teacher_head(ht).float()
-    return _sums(student, teacher, labels, temperature, kd_weight, ce_weight)
+    return student, teacher
 
 
 def _out_features(head: Callable[[torch.Tensor], torch.Tensor]) -> int | None:
@@ -115,10 +126,8 @@ def chunked_distillation_loss(
     shifted = labels[:, 1:]
     count = (shifted != -100).sum() if num_items is None else torch.as_tensor(num_items, device=labels.device)
     if chunk_size is None:  # as the models' own forwards and the reference's loss: every position, then shift
-        student = student_head(student_hidden)[:, :-1].float()
-        with torch.no_grad():
-            teacher = teacher_head(teacher_hidden.detach())[:, :-1].float()
-        total = _sums(student, teacher, shifted, temperature, kd_weight, ce_weight)
+        student, teacher = _logits(student_hidden, teacher_hidden.detach(), student_head, teacher_head)
+        total = _sums(student[:, :-1], teacher[:, :-1], shifted, temperature, kd_weight, ce_weight)
         return total / count.clamp_min(1)
     hs = student_hidden[:, :-1].reshape(-1, student_hidden.shape[-1])
     ht = teacher_hidden[:, :-1].reshape(-1, teacher_hidden.shape[-1]).detach()

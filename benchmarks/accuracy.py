@@ -734,12 +734,39 @@ def markdown(results: list[dict[str, Any]], steps: int) -> str:
 
 
 CURVE_COLORS = ("#5aa469", "#f0a94a", "#4a7bd0", "#c0504d", "#8064a2")
+# the budget curve's measures: (row key, line style, label)
+CURVE_MEASURES = (
+    ("test_recovery", "-", "ppl gap"),
+    ("kl_recovery", "--", "KL"),
+    ("offdist_recovery", ":", "off-dist ppl gap"),
+)
+# the goals of QAD on a real model (NVFP4 W4A4): perplexity gap, KL, perplexity gap off the training text
+REAL_GOALS = {"test_recovery": 0.90, "kl_recovery": 0.60, "offdist_recovery": 0.75}
+
+
+def curves(result: dict[str, Any]) -> dict[str, dict[str, list[tuple[int, float]]]]:
+    """The first seed's recovery (%) against steps of every QAT / QAD row run at two budgets or more:
+    ``{row: {measure: [(steps, %), ...]}}`` over :data:`CURVE_MEASURES`. QAT's perplexity gap is to its
+    fine-tuned control; its off-distribution gap is left out (the control itself moves away from that text,
+    so the share means nothing); KL recovery is ``1 - KL_trained / KL_ptq``."""
+    first = min((r["seed"] for r in result["rows"] if r.get("seed") is not None), default=None)
+    trained = [r for r in result["rows"] if r.get("seed") == first and r["method"] in ("qat", "qad")]
+    out: dict[str, dict[str, list[tuple[int, float]]]] = {}
+    for name in dict.fromkeys(r["name"] for r in trained):
+        mine = [r for r in trained if r["name"] == name]
+        if len({r["steps"] for r in mine}) < 2:  # a curve needs two budgets
+            continue
+        keys = [
+            k for k, _, _ in CURVE_MEASURES if not (k == "offdist_recovery" and mine[0]["method"] == "qat")
+        ]
+        points = {k: sorted((r["steps"], 100 * r[k]) for r in mine if r.get(k) is not None) for k in keys}
+        out[name] = {k: pts for k, pts in points.items() if pts}
+    return out
 
 
 def plot(results: list[dict[str, Any]], path: str, steps: int) -> None:
-    """Per model: the mean test recovery of every row at ``steps`` (bars, min-max over seeds), and the first
-    seed's recovery against budget for every QAT / QAD row run at two budgets or more (QAT's perplexity gap
-    is to its fine-tuned control; KL recovery is ``1 - KL_trained / KL_ptq``)."""
+    """Per model: the mean test recovery of every row at ``steps`` (bars, min-max over seeds), and
+    :func:`curves` (with the QAD goals of a real model as grey lines)."""
     fig, axes = h.pyplot().subplots(len(results), 2, figsize=(14, 4.2 * len(results)), squeeze=False)
     for (ax, curve), res in zip(axes, results, strict=True):
         lines = [s for s in res["summary"] if s["steps"] == steps and s.get("test_recovery") is not None]
@@ -753,30 +780,36 @@ def plot(results: list[dict[str, Any]], path: str, steps: int) -> None:
                 lo, hi = s["test_recovery_range"]
                 ax.plot([i, i], [100 * lo, 100 * hi], color="black", linewidth=1)
         for name, target in TARGETS.items():
-            ax.axhline(100 * target, color="#999999", linestyle="--", linewidth=0.7)
-            ax.annotate(f"{name} target", (len(lines) - 0.5, 100 * target), fontsize=7, ha="right")
+            if any(s["name"] == name for s in lines):
+                ax.axhline(100 * target, color="#999999", linestyle="--", linewidth=0.7)
+                ax.annotate(f"{name} target", (len(lines) - 0.5, 100 * target), fontsize=7, ha="right")
         ax.set_xticks(range(len(lines)), [s["name"] for s in lines], rotation=30, ha="right", fontsize=8)
         ax.set_ylabel("test recovery of the PTQ gap (%)")
         ax.set_title(
             f"{res['kind']}: recovery after {steps} steps (bars: mean, lines: min-max over seeds)", fontsize=9
         )
-        first = min((r["seed"] for r in res["rows"] if r.get("seed") is not None), default=None)
-        trained = [r for r in res["rows"] if r.get("seed") == first and r["method"] in ("qat", "qad")]
-        for i, name in enumerate(dict.fromkeys(r["name"] for r in trained)):
-            mine = [r for r in trained if r["name"] == name]
-            if len({r["steps"] for r in mine}) < 2:  # a curve needs two budgets
-                continue
-            color = CURVE_COLORS[i % len(CURVE_COLORS)]
-            for key, style, what in (("test_recovery", "-", "ppl gap"), ("kl_recovery", "--", "KL")):
-                pts = sorted((r["steps"], 100 * r[key]) for r in mine if r.get(key) is not None)
-                if pts:
-                    curve.plot(*zip(*pts, strict=True), marker="o", linestyle=style, color=color,
-                               label=f"{name}: {what}")  # fmt: skip
+        styles = {k: (style, what) for k, style, what in CURVE_MEASURES}
+        budgets: set[int] = set()
+        for i, (name, measures) in enumerate(curves(res).items()):
+            for key, pts in measures.items():
+                budgets.update(s for s, _ in pts)
+                color = CURVE_COLORS[i % len(CURVE_COLORS)]
+                style, what = styles[key]
+                curve.plot(*zip(*pts, strict=True), marker="o", linestyle=style, color=color,
+                           label=f"{name}: {what}")  # fmt: skip
+        if res["kind"] in REAL and budgets:
+            for key, goal in REAL_GOALS.items():
+                curve.axhline(100 * goal, color="#999999", linestyle=styles[key][0], linewidth=0.7)
+                curve.annotate(
+                    f"QAD goal: {styles[key][1]}", (min(budgets), 100 * goal), fontsize=7, va="bottom"
+                )
         curve.set_xscale("log", base=2)
+        if budgets:
+            curve.set_xticks(sorted(budgets), [str(b) for b in sorted(budgets)])
         curve.set_xlabel("optimizer steps")
-        curve.set_ylabel("test recovery (%): perplexity gap (solid), KL (dashed)")
+        curve.set_ylabel("test recovery (%)")
         curve.set_title(f"{res['kind']}: recovery against budget (first seed)", fontsize=9)
-        curve.legend(fontsize=8)
+        curve.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     h.save_figure(fig, path)
 
 

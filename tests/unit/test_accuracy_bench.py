@@ -57,3 +57,32 @@ def test_the_auto_quantize_row_mixes_formats_within_its_budget(monkeypatch) -> N
     ids = calib[0]
     with torch.no_grad():
         assert not torch.equal(model(ids).logits, plain(ids).logits)
+
+
+def test_the_budget_curve_takes_every_qat_and_qad_row_run_at_two_budgets() -> None:
+    def row(name: str, method: str, steps: int | None, seed: int | None = 0, **rec: float) -> dict:
+        return {"name": name, "method": method, "steps": steps, "seed": seed, **rec}
+
+    rec = {"test_recovery": 0.5, "kl_recovery": 0.25, "offdist_recovery": 0.125}
+    result = {
+        "kind": "smollm2-135m",
+        "rows": [
+            row("unquantized", "baseline", None, None),
+            row("qad nvfp4_nokv", "qad", 96, **{**rec, "test_recovery": 0.75}),
+            row("qad nvfp4_nokv", "qad", 16, **rec),
+            row("qad nvfp4_nokv", "qad", 16, seed=1, test_recovery=0.9),  # not the first seed
+            row("qat nvfp4_nokv", "qat", 16, **rec),
+            row("qat nvfp4_nokv", "qat", 48, **rec),
+            row("qad nvfp4_nokv_46", "qad", 48, **rec),  # one budget: no curve
+            row("ft", "ft", 16),
+        ],
+    }
+    got = accuracy.curves(result)
+    assert list(got) == ["qad nvfp4_nokv", "qat nvfp4_nokv"]
+    assert got["qad nvfp4_nokv"] == {
+        "test_recovery": [(16, 50.0), (96, 75.0)],
+        "kl_recovery": [(16, 25.0), (96, 25.0)],
+        "offdist_recovery": [(16, 12.5), (96, 12.5)],
+    }
+    # QAT's off-distribution share is against a control that leaves that text itself: not drawn
+    assert set(got["qat nvfp4_nokv"]) == {"test_recovery", "kl_recovery"}

@@ -616,9 +616,20 @@ def run_meta(script: str, argv: Sequence[str] | None, wall: float) -> dict[str, 
 
 
 def command(script: str, argv: Sequence[str] | None) -> str:
-    """The command line of this run as ``python benchmarks/<script> ...`` (``argv``: None for sys.argv)."""
+    """The command line of this run as ``python benchmarks/<script> ...`` (``argv``: None for sys.argv),
+    each absolute path outside the repository written ``<outside>/NAME``: result files are committed, and
+    the directories of the machine that made them are not theirs to record."""
     args = sys.argv[1:] if argv is None else list(argv)
-    return " ".join(["python", f"benchmarks/{os.path.basename(script)}", *args])
+    return " ".join(["python", f"benchmarks/{os.path.basename(script)}", *map(portable_arg, args)])
+
+
+def portable_arg(arg: str) -> str:
+    """``arg`` (or the value of ``--flag=arg``) as :func:`command` records it."""
+    flag, eq, value = arg.partition("=") if arg.startswith("-") and "=" in arg else ("", "", arg)
+    repo = Path(__file__).resolve().parents[1]
+    if os.path.isabs(value) and not Path(value).resolve().is_relative_to(repo):
+        value = f"<outside>/{os.path.basename(value.rstrip('/'))}"
+    return flag + eq + value
 
 
 def time_stats(seconds: Iterable[float]) -> dict[str, float]:

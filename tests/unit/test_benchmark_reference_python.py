@@ -51,3 +51,22 @@ def test_a_child_past_its_timeout_is_stopped_and_says_so():
     assert res == {"error": "timed out after 0.5 s", "timed_out_s": 0.5}
     done = h.run_child([sys.executable, "-c", "print('@@RESULT {\"seconds\": 1.0}')"], dict(os.environ))
     assert done == {"seconds": 1.0}
+
+
+def test_a_recorded_command_keeps_no_path_of_the_machine(tmp_path):
+    inside = BENCHMARKS.parent / "docs" / "x.json"
+    argv = ["--json", str(tmp_path / "run.json"), f"--torchao-python={tmp_path}/venv/bin/python"]
+    argv += ["--md", str(inside), "--rows", "qad nvfp4", "--steps=16"]
+    got = h.command("peers.py", argv)
+    assert str(tmp_path) not in got
+    assert got == (
+        "python benchmarks/peers.py --json <outside>/run.json --torchao-python=<outside>/python "
+        f"--md {inside} --rows qad nvfp4 --steps=16"
+    )
+
+
+def test_no_committed_result_file_records_a_path_of_the_machine():
+    docs = BENCHMARKS.parent / "docs"
+    for path in sorted(docs.glob("*.json")):
+        found = re.findall(r"(?<![\w.<>-])/(?:tmp|work|root|home|Users)/[^\s\"]*", path.read_text())
+        assert not found, f"{path.name}: {found[:3]}"

@@ -626,8 +626,7 @@ def command(script: str, argv: Sequence[str] | None) -> str:
 def portable_arg(arg: str) -> str:
     """``arg`` (or the value of ``--flag=arg``) as :func:`command` records it."""
     flag, eq, value = arg.partition("=") if arg.startswith("-") and "=" in arg else ("", "", arg)
-    repo = Path(__file__).resolve().parents[1]
-    if os.path.isabs(value) and not Path(value).resolve().is_relative_to(repo):
+    if os.path.isabs(value) and not Path(value).resolve().is_relative_to(Path(REPO_ROOT).resolve()):
         value = f"<outside>/{os.path.basename(value.rstrip('/'))}"
     return flag + eq + value
 

@@ -791,9 +791,9 @@ def plot(results: list[dict[str, Any]], path: str, steps: int) -> None:
         styles = {k: (style, what) for k, style, what in CURVE_MEASURES}
         budgets: set[int] = set()
         for i, (name, measures) in enumerate(curves(res).items()):
+            color = CURVE_COLORS[i % len(CURVE_COLORS)]
             for key, pts in measures.items():
                 budgets.update(s for s, _ in pts)
-                color = CURVE_COLORS[i % len(CURVE_COLORS)]
                 style, what = styles[key]
                 curve.plot(*zip(*pts, strict=True), marker="o", linestyle=style, color=color,
                            label=f"{name}: {what}")  # fmt: skip

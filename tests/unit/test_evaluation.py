@@ -94,6 +94,61 @@ def test_compare_matches_whole_evaluation_formulas(batch_size, chunk_tokens):
     assert same.top1_agreement == 1.0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_stored_reference_gives_the_kept_copys_figures_bit_for_bit(tmp_path, dtype):
+    """The PTQ command line keeps the unquantized model's logits in a file instead of a copy of the model:
+    compare() against them equals compare() against the model itself, to every bit, in float32 and bf16."""
+    ref_model = tiny_llama().to(dtype)
+    model = copy.deepcopy(ref_model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p, generator=torch.Generator().manual_seed(2)))
+    ws = torch.randint(0, 128, (5, 10), generator=torch.Generator().manual_seed(1))
+    for batch_size in (
+        1,
+        3,
+    ):  # the logits of the batch size the comparison runs (batching moves the last bit)
+        stored = evaluation.store_logits(ref_model, ws, tmp_path / "ref.bin", batch_size)
+        assert (tmp_path / "ref.bin").stat().st_size == evaluation.stored_logits_bytes(ws, 128, dtype)
+        assert stored.dtype == dtype
+        assert evaluation.compare(stored, model, ws, batch_size) == evaluation.compare(
+            ref_model, model, ws, batch_size
+        )
+    with pytest.raises(ValueError, match=r"stored reference has 5 windows of 10 tokens.*4 of 10"):
+        evaluation.compare(stored, model, ws[:4])
+
+
+def test_the_ptq_command_keeps_no_copy_of_the_model(checkpoint, monkeypatch, lib_caplog):
+    """hf_ptq's comparison works from the stored reference: a deepcopy of a model fails the run, and the
+    figures are a kept copy's (the unquantized perplexity equals the float model's)."""
+    import modelopt_lite.cli.ptq as ptq
+
+    deepcopy = copy.deepcopy
+
+    def no_copy(obj, *a, **k):
+        if isinstance(obj, torch.nn.Module):
+            raise AssertionError("the PTQ command copied the model")
+        return deepcopy(obj, *a, **k)
+
+    monkeypatch.setattr(copy, "deepcopy", no_copy)
+    args = ["--pyt_ckpt_path", str(checkpoint / "model"), "--dataset", str(checkpoint / "data.jsonl"),
+            "--qformat", "int8", "--calib_size", "2", "--calib_seq", "16", "--eval_size", "3",
+            "--eval_seq", "16", "--gen_tokens", "2", "--prompt", "w3 w6"]  # fmt: skip
+    with lib_caplog.at_level("INFO"):
+        assert ptq.main(args) == 0
+    assert "no copy of the model is kept" in lib_caplog.text
+    assert re.search(r"greedy continuation of 'w3 w6'\n  unquantized: .*\n  quantized: ", lib_caplog.text)
+    before = float(re.search(r"perplexity: ([\d.]+) before", lib_caplog.text).group(1))
+    texts = load_texts([str(checkpoint / "data.jsonl")])
+    _, held = heldout_split(texts, 10.0, "--dataset")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(checkpoint / "model")
+    ws = windows(token_stream(tok, held), 16, 3)
+    float_model = AutoModelForCausalLM.from_pretrained(checkpoint / "model")
+    assert before == pytest.approx(evaluation.perplexity(float_model, ws), abs=1e-3)
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     root = tmp_path_factory.mktemp("evaluation")

@@ -164,14 +164,16 @@ class StoredLogits:
         )
         self.row_bytes = length * vocab * torch.empty((), dtype=dtype).element_size()
 
-    def row(self, index: int) -> torch.Tensor:
-        """The logits of window ``index``, ``(length, vocab)``."""
+    def read(self, index: int, positions: slice) -> torch.Tensor:
+        """The logits of window ``index`` at ``positions`` (a step-1 slice), ``(positions, vocab)``."""
+        start, stop, _ = positions.indices(self.length)
         if not 0 <= index < self.windows:
             raise IndexError(f"window {index} of {self.windows} stored")
+        per_token = self.row_bytes // self.length
         with open(self.path, "rb") as handle:
-            handle.seek(index * self.row_bytes)
-            data = bytearray(handle.read(self.row_bytes))
-        return torch.frombuffer(data, dtype=torch.uint8).view(self.dtype).view(self.length, self.vocab)
+            handle.seek(index * self.row_bytes + start * per_token)
+            data = bytearray(handle.read((stop - start) * per_token))
+        return torch.frombuffer(data, dtype=torch.uint8).view(self.dtype).view(stop - start, self.vocab)
 
 
 def stored_logits_bytes(windows: torch.Tensor, vocab: int, dtype: torch.dtype) -> int:
@@ -192,7 +194,7 @@ def store_logits(
         for batch in windows.split(batch_size):
             logits = model(input_ids=batch.to(_device(model))).logits.contiguous().cpu()
             shape = (logits.shape[-1], logits.dtype)
-            handle.write(logits.view(torch.uint8).numpy().tobytes())
+            logits.view(torch.uint8).numpy().tofile(handle)  # no copy of the batch's logits
             del logits
     model.train(was_training)
     if shape is None:
@@ -206,12 +208,14 @@ def compare(
     model: torch.nn.Module,
     windows: torch.Tensor,
     batch_size: int = 4,
-    chunk_tokens: int = 256,
+    chunk_tokens: int | None = None,
 ) -> Comparison:
     """:class:`Comparison` of ``model`` with ``reference`` (a model, or its :class:`StoredLogits` on the same
     ``windows``) on ``windows``, batch by batch: nothing of a whole evaluation is kept, only one batch's
-    logits of each model (``batch_size x window x vocab``; a stored reference: one window's) and
-    ``chunk_tokens`` rows of log-probabilities at a time. Train / eval modes are restored."""
+    logits of each model (``batch_size x window x vocab``; of a stored reference: one chunk) and
+    ``chunk_tokens`` rows of log-probabilities at a time (default: 256, fewer where the vocabulary is larger
+    than 65536, so that a chunk's float32 log-probabilities stay under 64 MB). Train / eval modes are
+    restored."""
     stored = isinstance(reference, StoredLogits)
     if stored and (reference.windows, reference.length) != tuple(windows.shape):
         raise ValueError(
@@ -230,17 +234,21 @@ def compare(
         logits = logits.to(device)
         targets = batch[:, 1:].to(device)
         for row in range(batch.shape[0]):  # [row, :-1] of a contiguous (batch, window, vocab) is no copy
-            ref_row = reference.row(first + row).to(device) if stored else ref_logits[row]
-            for start in range(0, targets.shape[1], chunk_tokens):
-                positions = slice(start, min(start + chunk_tokens, targets.shape[1]))
-                ref_lp = ref_row[positions].float().log_softmax(-1)
+            chunk = chunk_tokens or max(1, min(256, (64 << 20) // (4 * logits.shape[-1])))
+            for start in range(0, targets.shape[1], chunk):
+                positions = slice(start, min(start + chunk, targets.shape[1]))
+                ref = (
+                    reference.read(first + row, positions).to(device)
+                    if stored
+                    else ref_logits[row, positions]
+                )
+                ref_lp = ref.float().log_softmax(-1)
                 lp = logits[row, positions].float().log_softmax(-1)
                 target = targets[row, positions, None]
                 nll_ref -= float(ref_lp.gather(1, target).sum())
                 nll -= float(lp.gather(1, target).sum())
                 kl += float((ref_lp.exp() * (ref_lp - lp)).sum())
                 agree += int((ref_lp.argmax(-1) == lp.argmax(-1)).sum())
-            del ref_row
         count += targets.numel()
         del ref_logits, logits
     for m, was_training in modes:

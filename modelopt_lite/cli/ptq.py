@@ -28,7 +28,6 @@ prompts from both (``--gen_tokens``). The time of each phase is logged at the en
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -44,7 +43,7 @@ from ..models.gguf import NotEnoughMemoryError
 from ..models.real import REAL_MODELS
 from ..quantization.config.presets import AUTO_QUANTIZE_DISABLED
 from .ptq_config import KV_FORMATS, NOT_EXPORTABLE, QFORMATS, auto_quantize_formats, build_config
-from .ptq_eval import Reference, check_load_memory, forward_speed, peak_rss
+from .ptq_eval import Phases, Reference, check_load_memory, forward_speed, peak_rss
 
 __all__ = ["QFORMATS", "auto_quantize_formats", "build_config", "main", "parse_args"]
 
@@ -223,35 +222,39 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _checkpoint(args: argparse.Namespace) -> tuple[str, str]:
     """(checkpoint directory or hub name, calibration split of the default corpus): ``--pyt_ckpt_path`` (a
-    GGUF file there is converted into the cache once), else the ``--default_model``."""
+    GGUF file there is converted into the cache once), else the ``--default_model``; a real model run in
+    bfloat16 / float16 reads its cached copy in that dtype (``models.cast``)."""
     from ..models import default_model_path
+    from ..models.cast import CAST_DTYPES, cast_checkpoint
     from ..models.gguf import is_gguf_file
     from ..models.real import real_model_path
 
-    if args.pyt_ckpt_path is not None:
-        if is_gguf_file(args.pyt_ckpt_path):
-            path = real_model_path(Path(args.pyt_ckpt_path))
-            logger.info("--pyt_ckpt_path is a GGUF file: its converted checkpoint %s", path)
-            return str(path), "fit"
+    if args.pyt_ckpt_path is not None and not is_gguf_file(args.pyt_ckpt_path):
         return args.pyt_ckpt_path, "train"
-    kind = args.default_model or "moe"
-    real = kind in REAL_MODELS
-    ckpt = str(default_model_path(kind))
-    logger.info("no --pyt_ckpt_path: the %s model %s", "real" if real else "bundled default " + kind, ckpt)
-    return ckpt, "fit" if real else "train"  # a real model's validation split stays for choices
+    if args.pyt_ckpt_path is not None:
+        path = real_model_path(Path(args.pyt_ckpt_path))
+        logger.info("--pyt_ckpt_path is a GGUF file: its converted checkpoint %s", path)
+    else:
+        kind = args.default_model or "moe"
+        path = default_model_path(kind)
+        logger.info(
+            "no --pyt_ckpt_path: the %s model %s",
+            "real" if kind in REAL_MODELS else "bundled default " + kind,
+            path,
+        )
+        if kind not in REAL_MODELS:
+            return str(path), "train"
+    if (
+        args.dtype in CAST_DTYPES
+    ):  # its float32 weights stored in the run's dtype: loaded without a float32 copy
+        path = cast_checkpoint(path, args.dtype)
+    return str(path), "fit"  # a real model's validation split stays for choices
 
 
-def _run(args: argparse.Namespace) -> int:
+def _load(args: argparse.Namespace) -> tuple[Any, Any, torch.Tensor, torch.Tensor | None]:
+    """(model in eval mode, tokenizer, calibration windows, held-out windows or None)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from ..export import export_hf_checkpoint
-
-    times: dict[str, float] = {}
-    clock = time.perf_counter()
-    if args.recipe:
-        config: Any = mtq.resolve_config(args.recipe)
-    else:
-        config = build_config(args.qformat, args.kv_cache_qformat)
     ckpt, calib_split = _checkpoint(args)
     remote = args.trust_remote_code
     model_config = AutoConfig.from_pretrained(ckpt, trust_remote_code=remote)
@@ -268,34 +271,44 @@ def _run(args: argparse.Namespace) -> int:
             calib_split,
         )
     calib, held_out = _samples(args, tokenizer, seq, eval_seq, calib_split)
-    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=args.dtype, trust_remote_code=remote).to(
-        args.device
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=args.dtype, trust_remote_code=remote)
+    return model.to(args.device).eval(), tokenizer, calib, held_out
+
+
+def _quantize(model: Any, args: argparse.Namespace, config: Any, calib: torch.Tensor) -> None:
+    batches = [calib[i : i + args.batch_size] for i in range(0, calib.shape[0], args.batch_size)]
+    if args.auto_quantize_bits is not None:
+        _auto_quantize(model, args, batches)
+    else:
+        with torch.no_grad():
+            mtq.quantize(model, config, batches, experts_implementation=args.experts_implementation)
+    # q/k/v and gate/up share their input amax (NVFP4: their weight global amax) in the deployed fused
+    # kernels: the export does this anyway; doing it here too means the figures below are the deployed
+    # model's, with or without --export_path
+    unify_shared_scales(model)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from ..export import export_hf_checkpoint
+
+    times = Phases()
+    config: Any = (
+        mtq.resolve_config(args.recipe) if args.recipe else build_config(args.qformat, args.kv_cache_qformat)
     )
-    model.eval()
+    with times.phase("load"):
+        model, tokenizer, calib, held_out = _load(args)
     prompts = (args.prompt or list(DEFAULT_PROMPTS)) if args.gen_tokens else []
-    times["load"] = time.perf_counter() - clock
     # the comparison needs the model as it was; quantize works in place: its logits and continuations now
     with Reference(model, tokenizer, held_out, prompts, args, times) as reference:
-        clock = time.perf_counter()
-        batches = [calib[i : i + args.batch_size] for i in range(0, calib.shape[0], args.batch_size)]
-        if args.auto_quantize_bits is not None:
-            _auto_quantize(model, args, batches)
-        else:
-            with torch.no_grad():
-                mtq.quantize(model, config, batches, experts_implementation=args.experts_implementation)
-        # q/k/v and gate/up share their input amax (NVFP4: their weight global amax) in the deployed fused
-        # kernels: the export does this anyway; doing it here too means the figures below are the deployed
-        # model's, with or without --export_path
-        unify_shared_scales(model)
-        times["calibration"] = time.perf_counter() - clock
+        with times.phase("calibration"):
+            _quantize(model, args, config, calib)
         mtq.print_quant_summary(model)
         if args.export_path:
-            clock = time.perf_counter()
-            exported = export_hf_checkpoint(
-                model, args.export_path, tokenizer=tokenizer, overwrite=args.overwrite
-            )
+            with times.phase("export"):
+                exported = export_hf_checkpoint(
+                    model, args.export_path, tokenizer=tokenizer, overwrite=args.overwrite
+                )
             logger.info("checkpoint: %s (%.2f MB)", exported.export_dir, exported.total_bytes / 1e6)
-            times["export"] = time.perf_counter() - clock
         if held_out is not None or prompts:
             # the weights' fake quantization, computed once instead of in every forward: the same outputs
             # bit for bit, a third faster one-token generation steps (not where a quantized lm_head shares
@@ -305,10 +318,7 @@ def _run(args: argparse.Namespace) -> int:
             if not (quantized_head and embed is not None and head.weight is embed.weight):
                 mtq.fold_weight(model)
             reference.compare(args, model, tokenizer, held_out, prompts, times)
-    logger.info(
-        "time: %s; %.1f s in all; peak memory %s", ", ".join(f"{k} {v:.1f} s" for k, v in times.items()),
-        sum(times.values()), peak_rss(),
-    )  # fmt: skip
+    logger.info("time: %s; peak memory %s", times.summary(), peak_rss())
     speed = forward_speed(times, calib.numel(), None if held_out is None else held_out.numel())
     if speed:
         logger.info("forward speed: %s", speed)

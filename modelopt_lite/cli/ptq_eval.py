@@ -13,10 +13,12 @@ equal those of a comparison with a kept copy, bit for bit (tested).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +28,7 @@ from .. import evaluation
 from ..logging import get_logger
 from ..models.gguf import check_memory
 
-__all__ = ["Reference", "check_load_memory", "forward_speed", "peak_rss"]
+__all__ = ["Phases", "Reference", "check_load_memory", "forward_speed", "peak_rss"]
 
 logger = get_logger(__name__)
 # the command's peak beside the model: calibration / evaluation activations, the allocator's slack
@@ -40,17 +42,19 @@ def _element_size(dtype: Any) -> int:
 
 
 def check_load_memory(ckpt: str, model_config: Any, dtype: str) -> None:
-    """Refuse before loading a local checkpoint whose weights, in the run's ``dtype``, would not fit the
-    memory left (its safetensors files' size, scaled from the stored dtype to the run's, times
-    ``RUN_MEMORY_FACTOR``)."""
+    """Refuse before loading a local checkpoint that would not fit the memory left: its weights in the run's
+    ``dtype`` (the safetensors files' size scaled from the stored dtype) times ``RUN_MEMORY_FACTOR``, or,
+    where the dtypes differ, what transformers' load holds (the stored and the converted weights)."""
     files = list(Path(ckpt).glob("*.safetensors")) if Path(ckpt).is_dir() else []
     if not files:
         return
     stored = getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", None) or "float32"
     ratio = (_element_size(stored) if dtype == "auto" else _element_size(dtype)) / _element_size(stored)
-    weights = sum(f.stat().st_size for f in files) * ratio
+    on_disk = sum(f.stat().st_size for f in files)
+    weights = on_disk * ratio
+    need = max(RUN_MEMORY_FACTOR * weights, on_disk + weights if ratio != 1 else 0)
     check_memory(
-        int(RUN_MEMORY_FACTOR * weights),
+        int(need),
         f"the PTQ of {ckpt} ({weights / 1e9:.1f} GB of weights in {dtype if dtype != 'auto' else stored})",
         "pass --dtype bfloat16, or run on a machine with more memory",
     )
@@ -67,7 +71,7 @@ class Reference:
         held_out: torch.Tensor | None,
         prompts: list[str],
         args: argparse.Namespace,
-        times: dict[str, float],
+        times: Phases,
     ) -> None:
         self._dir: tempfile.TemporaryDirectory[str] | None = None
         self.logits: evaluation.StoredLogits | None = None
@@ -88,15 +92,15 @@ class Reference:
                 "unquantized held-out logits: %.2f GB to a temporary file (read back window by window "
                 "after quantization; no copy of the model is kept)", need / 1e9,
             )  # fmt: skip
-            clock = time.perf_counter()
-            self.logits = evaluation.store_logits(model, held_out, Path(self._dir.name) / "logits.bin",
-                                                  args.batch_size)  # fmt: skip
-            times["unquantized evaluation"] = time.perf_counter() - clock
+            with times.phase("unquantized evaluation"):
+                self.logits = evaluation.store_logits(model, held_out, Path(self._dir.name) / "logits.bin",
+                                                      args.batch_size)  # fmt: skip
         self.continuations = []
         if prompts:
-            clock = time.perf_counter()
-            self.continuations = evaluation.greedy_continuations(model, tokenizer, prompts, args.gen_tokens)
-            times["unquantized generation"] = time.perf_counter() - clock
+            with times.phase("unquantized generation"):
+                self.continuations = evaluation.greedy_continuations(
+                    model, tokenizer, prompts, args.gen_tokens
+                )
 
     def close(self) -> None:
         if self._dir is not None:
@@ -116,11 +120,25 @@ class Reference:
         tokenizer: Any,
         held_out: torch.Tensor | None,
         prompts: list[str],
-        times: dict[str, float],
+        times: Phases,
     ) -> None:
         """Log the held-out comparison and both models' greedy continuations (``times``: their seconds)."""
         if held_out is not None and self.logits is not None:
-            clock = time.perf_counter()
+            with times.phase("evaluation"):
+                self._evaluate(args, model, held_out)
+        if prompts:
+            with times.phase("generation"):
+                after = evaluation.greedy_continuations(model, tokenizer, prompts, args.gen_tokens)
+            for prompt, before, quantized in zip(prompts, self.continuations, after, strict=True):
+                logger.info(
+                    "greedy continuation of %r\n  unquantized: %r\n  quantized:   %r",
+                    prompt,
+                    before,
+                    quantized,
+                )
+
+    def _evaluate(self, args: argparse.Namespace, model: Any, held_out: torch.Tensor) -> None:
+        if self.logits is not None:  # (known: compare calls it only then; this narrows the type)
             logger.info("held-out evaluation: %s", evaluation.describe(held_out))
             result = evaluation.compare(self.logits, model, held_out, args.batch_size)
             ppl0, ppl1 = result.reference_perplexity, result.perplexity
@@ -132,18 +150,6 @@ class Reference:
                 "held-out KL(unquantized || quantized): %.3e nats per predicted token; top-1 agreement %.3f",
                 result.kl, result.top1_agreement,
             )  # fmt: skip
-            times["evaluation"] = time.perf_counter() - clock
-        if prompts:
-            clock = time.perf_counter()
-            after = evaluation.greedy_continuations(model, tokenizer, prompts, args.gen_tokens)
-            for prompt, before, quantized in zip(prompts, self.continuations, after, strict=True):
-                logger.info(
-                    "greedy continuation of %r\n  unquantized: %r\n  quantized:   %r",
-                    prompt,
-                    before,
-                    quantized,
-                )
-            times["generation"] = time.perf_counter() - clock
 
 
 def forward_speed(times: dict[str, float], calib_tokens: int, eval_tokens: int | None) -> str:
@@ -163,12 +169,40 @@ def forward_speed(times: dict[str, float], calib_tokens: int, eval_tokens: int |
     return "; ".join(parts)
 
 
-def peak_rss() -> str:
-    """This process' peak resident memory (Linux, macOS), or "unknown"."""
+def _peak_bytes() -> float | None:
     try:
         import resource
-
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-        return f"{peak / (1e9 if sys.platform == 'darwin' else 1e6):.2f} GB (resident)"
     except ImportError:  # not POSIX
-        return "unknown"
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return float(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def peak_rss() -> str:
+    """This process' peak resident memory (Linux, macOS), or "unknown"."""
+    peak = _peak_bytes()
+    return "unknown" if peak is None else f"{peak / 1e9:.2f} GB (resident)"
+
+
+class Phases(dict[str, float]):
+    """Seconds per phase of the command (a dict, in the order run), and the process' peak resident memory at
+    the end of each phase (``peaks``: the peak reached during the first phase that ends above it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.peaks: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        clock = time.perf_counter()
+        yield
+        self[name] = time.perf_counter() - clock
+        peak = _peak_bytes()
+        if peak is not None:
+            self.peaks[name] = peak
+
+    def summary(self) -> str:
+        """``load 7.8 s (peak 4.10 GB), ...; 211.7 s in all``."""
+        parts = [f"{k} {v:.1f} s" + (f" (peak {self.peaks[k] / 1e9:.2f} GB)" if k in self.peaks else "")
+                 for k, v in self.items()]  # fmt: skip
+        return f"{', '.join(parts)}; {sum(self.values()):.1f} s in all"

@@ -22,6 +22,7 @@ Floor 1: it needs transformers and tokenizers, and the held-out protocol and dat
 """
 
 from .cache import build_default_model, cache_root, default_model_path, load_default_model
+from .cast import cast_checkpoint
 from .corpus import corpus_digest, corpus_documents, corpus_texts
 from .real import REAL_MODELS, RealModelSpec, load_real_model, real_model_path
 from .specs import BENCH_DENSE, BENCH_KINDS, BENCH_MOE, DENSE, KINDS, MOE, DefaultModelSpec
@@ -38,6 +39,7 @@ __all__ = [
     "RealModelSpec",
     "build_default_model",
     "cache_root",
+    "cast_checkpoint",
     "corpus_digest",
     "corpus_documents",
     "corpus_texts",

@@ -331,9 +331,15 @@ def real_model_path(name: str | os.PathLike[str] = "smollm2-135m", *, force: boo
 def load_real_model(
     name: str | os.PathLike[str] = "smollm2-135m", dtype: torch.dtype = torch.float32
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """``(model, tokenizer)`` of the real model ``name`` (or local GGUF file), in eval mode and ``dtype``."""
+    """``(model, tokenizer)`` of the real model ``name`` (or local GGUF file), in eval mode and ``dtype``
+    (bfloat16 / float16: from the cached copy in that dtype, ``cast``, without a float32 copy in memory)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from .cast import CAST_DTYPES, cast_checkpoint
+
     path = real_model_path(name)
+    by_dtype = {v: k for k, v in CAST_DTYPES.items()}
+    if dtype in by_dtype:
+        path = cast_checkpoint(path, by_dtype[dtype])
     model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     return model.eval(), AutoTokenizer.from_pretrained(path)

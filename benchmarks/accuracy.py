@@ -134,8 +134,8 @@ LEVER_OF = {
     "nvfp4_nokv_aq": "nvfp4_nokv",
 }
 TARGETS = {"qat nvfp4": 0.70, "qad nvfp4": 0.85}
-MODELS = ("bench-dense", "bench-moe", "dense", "moe", "smollm2-135m")
-REAL = ("smollm2-135m",)  # real pretrained models (modelopt_lite.models.REAL_MODELS): measured with compare()
+REAL = ("smollm2-135m", "gemma3-270m", "qwen2.5-coder-1.5b")  # modelopt_lite.models.REAL_MODELS: compare()
+MODELS = ("bench-dense", "bench-moe", "dense", "moe", *REAL)
 # off-distribution text: continuations sampled from the unquantized model after these prompts (nothing like
 # the corpus, CPython's documentation), so that distillation that only learns the corpus shows up
 OFFDIST_PROMPTS = (

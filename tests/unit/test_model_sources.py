@@ -235,3 +235,41 @@ def test_a_bfloat16_copy_equals_the_float32_checkpoint_loaded_in_bfloat16(tmp_pa
     assert (copy / "model.safetensors").stat().st_size < 0.6 * (src / "model.safetensors").stat().st_size
     with pytest.raises(ValueError, match=r"dtype 'int8': choose one of \['bfloat16', 'float16'\]"):
         cast_checkpoint(src, "int8")
+
+
+def _installed(spec: RealModelSpec) -> bool:
+    try:
+        spec.part_paths()
+    except FileNotFoundError:
+        return False
+    return importlib.util.find_spec("gguf") is not None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not _installed(REAL_MODELS["gemma3-270m"]),
+    reason=f"needs the Gemma-3-270M chunks: {REAL_MODELS['gemma3-270m'].install_command}",
+)
+def test_gemma3_270m_converts_and_its_nvfp4_ptq_answers(tmp_path, lib_caplog):
+    """The real Gemma 3 (where its packages are installed; about 2 minutes): 4 chunks joined and checked,
+    converted to gemma3_text, NVFP4 PTQ through the command line with a bounded perplexity rise."""
+    import json
+
+    from modelopt_lite.cli import ptq
+
+    path = real_model_path("gemma3-270m")
+    config = json.loads((path / "config.json").read_text())
+    assert (config["model_type"], config["num_hidden_layers"], config["vocab_size"]) == (
+        "gemma3_text",
+        18,
+        262144,
+    )
+    argv = ["--default_model", "gemma3-270m", "--qformat", "nvfp4", "--calib_size", "4", "--calib_seq", "128",
+            "--eval_size", "2", "--eval_seq", "256", "--gen_tokens", "0", "--batch_size", "2"]  # fmt: skip
+    with lib_caplog.at_level("INFO"):
+        assert ptq.main(argv) == 0
+    before, after = map(
+        float, re.search(r"perplexity: ([\d.]+) before, ([\d.]+) after", lib_caplog.text).groups()
+    )
+    assert 10 < before < 200
+    assert before < after < before * 3

@@ -1,7 +1,7 @@
 """Architecture coverage (docs/coverage.md, issue 41): every architecture of ``ARCHITECTURES`` through every
 job of ``JOBS`` on a tiny model built from a config in code (hidden 64, 1-2 layers, vocabulary 128, fixed
 seed, no download). ``python benchmarks/coverage_table.py`` runs this file and writes the outcomes into the
-table of docs/coverage.md.
+table of docs/coverage.md; the last test fails when that table lists other architectures or jobs than these.
 
 Jobs: PTQ per format (``ptq_<qformat>``: the command line's config for the format, every linear layer and
 fused experts projection quantized and calibrated, routers and ``lm_head`` not, logits finite and within a
@@ -54,6 +54,11 @@ from ._models import (
     tiny_qwen3_moe,
 )
 from ._training import CountingData, cpu_args, step_losses
+
+REPO = Path(__file__).resolve().parents[2]
+COVERAGE_PAGE = REPO / "docs" / "coverage.md"
+BEGIN, END = "<!-- coverage:begin -->", "<!-- coverage:end -->"
+
 
 # ------------------------------------------------------------------------ tiny models of the other families
 
@@ -389,3 +394,67 @@ def test_qad(arch, tmp_path):
         assert weights, name
         assert all(q.is_enabled for q in weights), name
     assert any(not torch.equal(p.detach(), before[n]) for n, p in trainer.model.named_parameters())
+
+
+# ------------------------------------------------------------------------------------- the page's table
+
+
+def coverage_table(page: Path = COVERAGE_PAGE) -> tuple[list[str], list[list[str]]]:
+    """(header cells, rows of cells) of the table between the coverage markers of ``page``."""
+    text = page.read_text(encoding="utf-8")
+    assert BEGIN in text, f"{page.name}: no {BEGIN}"
+    assert END in text, f"{page.name}: no {END}"
+    lines = [ln.strip() for ln in text.split(BEGIN, 1)[1].split(END, 1)[0].splitlines()]
+    table = [ln for ln in lines if ln.startswith("|")]
+    assert len(table) >= 2, f"{page.name}: no table between the markers"
+
+    def cells(line: str) -> list[str]:
+        parts = re.split(r"(?<!\\)\|", line.strip())[1:-1]
+        return [p.strip().strip("`").strip() for p in parts]
+
+    return cells(table[0]), [cells(ln) for ln in table[2:]]
+
+
+def test_the_coverage_page_lists_exactly_these_architectures_and_jobs():
+    """docs/coverage.md's table has one row per architecture and one column per job of this file, in order:
+    regenerate it (python benchmarks/coverage_table.py) after changing ARCHITECTURES or JOBS."""
+    header, rows = coverage_table()
+    assert header == ["architecture", *JOBS]
+    assert [row[0] for row in rows] == list(ARCHITECTURES)
+    assert all(len(row) == len(header) and all(row) for row in rows)
+
+
+def _generator():
+    """benchmarks/coverage_table.py as a module (it imports its sibling ``_harness``)."""
+    import importlib.util
+    import sys
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location("coverage_table", REPO / "benchmarks/coverage_table.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    return module
+
+
+def test_the_generator_names_these_jobs_and_renders_outcomes():
+    """The real-model data names architectures and jobs of this file; a cell lists what passed, what is
+    refused and what fails, with the real model where one was checked."""
+    gen = _generator()
+    for arch, check in gen.REAL_CHECKS.items():
+        assert arch in ARCHITECTURES
+        assert set(check["jobs"]) <= set(JOBS), arch
+    assert gen.render_cell([{"format": None, "outcome": "pass"}], "real: m") == "pass (tiny + real: m)"
+    outcomes = [
+        {"format": "fp8", "outcome": "pass"},
+        {"format": "int8_sq", "outcome": "refused", "detail": "why"},
+        {"format": "mxfp8", "outcome": "refused", "detail": "why"},
+        {"format": "nvfp4", "outcome": "fail", "detail": "a | b"},
+    ]
+    assert gen.render_cell(outcomes) == (
+        "pass (tiny): fp8; refused: int8_sq, mxfp8 (why); FAILS: nvfp4 (a \\| b)"
+    )
+    bug = [{"format": f, "outcome": "xfail", "detail": "bug"} for f in FORMATS]
+    assert gen.render_cell(bug, "real: m") == "FAILS (known bug): bug; real: m"

@@ -36,6 +36,7 @@ import torch
 
 from .. import evaluation
 from .. import quantization as mtq
+from ..allocator import malloc_tuned
 from ..data import heldout_split, load_texts, token_stream, windows
 from ..export.layers import SUPPORTED, unify_shared_scales
 from ..logging import get_logger
@@ -52,6 +53,7 @@ logger = get_logger(__name__)
 DEFAULT_MODEL_KINDS = ("moe", "dense")  # modelopt_lite.models.KINDS, without importing it for --help
 DEFAULT_PROMPTS = ("The capital of France is", "To read a file line by line in Python,")
 DEFAULT_CALIB_SEQ = 512
+LEAN_MMAP_THRESHOLD = 4 << 20  # glibc: blocks from 4 MiB are mapped and returned to the kernel when freed
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -138,6 +140,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--experts_implementation", choices=["eager", "grouped_mm"], default=None)
     p.add_argument("--export_path", default=None, help="write a deployable checkpoint here (omit: no export)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --export_path")
+    p.add_argument(
+        "--max_shard_size",
+        default="1GB",
+        help="the export's safetensors shards (the export holds one shard in memory, twice while writing it)",
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     p.add_argument("--trust_remote_code", action="store_true", help="run the model repository's own code")
@@ -289,6 +296,13 @@ def _quantize(model: Any, args: argparse.Namespace, config: Any, calib: torch.Te
 
 
 def _run(args: argparse.Namespace) -> int:
+    # large temporaries (activations, their fake quant, a batch's logits) mapped and unmapped instead of kept
+    # in glibc's heap: measured on Qwen2.5-1.5B in bf16, NVFP4 calibration's peak 6.82 -> 4.16 GB
+    with malloc_tuned(mmap_threshold=LEAN_MMAP_THRESHOLD):
+        return _measured_run(args)
+
+
+def _measured_run(args: argparse.Namespace) -> int:
     from ..export import export_hf_checkpoint
 
     times = Phases()
@@ -306,8 +320,9 @@ def _run(args: argparse.Namespace) -> int:
         if args.export_path:
             with times.phase("export"):
                 exported = export_hf_checkpoint(
-                    model, args.export_path, tokenizer=tokenizer, overwrite=args.overwrite
-                )
+                    model, args.export_path, tokenizer=tokenizer, overwrite=args.overwrite,
+                    max_shard_size=args.max_shard_size,
+                )  # fmt: skip
             logger.info("checkpoint: %s (%.2f MB)", exported.export_dir, exported.total_bytes / 1e6)
         if held_out is not None or prompts:
             # the weights' fake quantization, computed once instead of in every forward: the same outputs

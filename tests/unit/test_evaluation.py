@@ -193,3 +193,25 @@ def test_the_three_commands_print_the_same_baseline_perplexity(checkpoint, tmp_p
     assert ptq_protocol == results["eval_protocol"] == evaluation.describe(windows(stream, window))
     assert "held-out KL(unquantized || quantized)" in lib_caplog.text
     assert results["kl_ptq"] > 0
+
+
+def test_the_ptq_command_runs_lean_on_memory(checkpoint, tmp_path, monkeypatch):
+    """hf_ptq maps large temporaries instead of keeping them in glibc's heap (the policy is applied for the
+    run), and its export writes shards of --max_shard_size (one shard is held in memory)."""
+    import modelopt_lite.cli.ptq as ptq
+
+    seen = []
+    real = ptq.malloc_tuned
+
+    def recording(**kwargs):
+        seen.append(kwargs)
+        return real(**kwargs)
+
+    monkeypatch.setattr(ptq, "malloc_tuned", recording)
+    out = tmp_path / "out"
+    args = ["--pyt_ckpt_path", str(checkpoint / "model"), "--dataset", str(checkpoint / "data.jsonl"),
+            "--qformat", "fp8", "--calib_size", "2", "--calib_seq", "16", "--eval_size", "0",
+            "--gen_tokens", "0", "--export_path", str(out), "--max_shard_size", "20KB"]  # fmt: skip
+    assert ptq.main(args) == 0
+    assert seen == [{"mmap_threshold": 4 << 20}]
+    assert len(list(out.glob("*.safetensors"))) > 1

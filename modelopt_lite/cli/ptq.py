@@ -251,9 +251,7 @@ def _checkpoint(args: argparse.Namespace) -> tuple[str, str]:
         )
         if kind not in REAL_MODELS:
             return str(path), "train"
-    if (
-        args.dtype in CAST_DTYPES
-    ):  # its float32 weights stored in the run's dtype: loaded without a float32 copy
+    if args.dtype in CAST_DTYPES:  # stored in the run's dtype: loaded without a float32 copy in memory
         path = cast_checkpoint(path, args.dtype)
     return str(path), "fit"  # a real model's validation split stays for choices
 

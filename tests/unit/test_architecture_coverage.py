@@ -162,12 +162,7 @@ _INTERLEAVED = Refusal(
 #: (architecture, job, qformat) -> the documented error of a combination refused by design
 REFUSED = {("gpt_oss", "export", f): _INTERLEAVED for f in ("int8_sq", "int4_awq", "mxfp8")}
 #: (architecture, job) -> (error, reason) of a library bug this file found: an xfail(strict=True) until fixed
-KNOWN_BUGS = {
-    ("gpt2", "reload"): (
-        RuntimeError,
-        "Conv1D weights exported (out, in), the reload expects GPT-2's (in, out): size mismatch",
-    ),
-}
+KNOWN_BUGS: dict[tuple[str, str], tuple[type[Exception], str]] = {}  # (architecture, job) -> (error, reason)
 
 
 def _params(job: str, formats: bool = True) -> list:

@@ -94,10 +94,23 @@ class ModeloptDequantize(ConversionOps):
                     if v is not None:
                         tensors[c] = v[i] if isinstance(v, list) else v
                 dense.append(dequantize_layer(tensors, allowed, dtype or torch.float32, group))
+            if self._is_conv1d(model, full_layer_name):  # exported (out, in); GPT-2's Conv1D holds (in, out)
+                dense = [d.t().contiguous() for d in dense]
             out[key] = dense if isinstance(value, list) else dense[0]
         if full_layer_name is not None and len(out) == 1 and not isinstance(next(iter(out.values())), list):
             return {full_layer_name: _first(next(iter(out.values())))}
         return out
+
+    @staticmethod
+    def _is_conv1d(model: nn.Module | None, name: str | None) -> bool:
+        from transformers.pytorch_utils import Conv1D
+
+        if model is None or name is None:
+            return False
+        try:
+            return isinstance(model.get_submodule(name.rpartition(".")[0]), Conv1D)
+        except AttributeError:
+            return False
 
     @staticmethod
     def _target_dtype(model: nn.Module | None, name: str | None) -> torch.dtype | None:

@@ -54,6 +54,9 @@ peak ``--lr`` (QAD rows: ``--qad-lr``), linear warm-up over 10%,
 cosine to 0, gradient clipping 1.0. Seeds (``--seeds``) set the data order and the Trainer's initialisation:
 the first seed runs every training row, the others only the ``--seeded-rows``. ``--budgets`` adds
 ``qat nvfp4`` / ``qad nvfp4`` / ``ft`` at each step count (first seed only): is recovery still rising?
+``--qad-lrs`` adds every QAD row of ``--rows`` at each of these peak learning rates (first seed,
+``--steps``; named ``<row> lr <value>``): the learning-rate probe of docs/training.md in one process, the
+unquantized and PTQ rows measured once.
 
 Recovery, per split (a row that starts from a lever's PTQ row, ``nvfp4_rot`` / ``nvfp4_awq`` / ``nvfp4_46``
 / ``int4_awq``, is measured against the gap of the plain format's PTQ row, ``nvfp4`` / ``int4``: ``gap_of``
@@ -171,6 +174,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--qad-lr", type=float, default=None, help="peak learning rate of the QAD rows (default --lr)"
     )
+    p.add_argument(
+        "--qad-lrs", default="", help="extra peak learning rates of the QAD rows (first seed, --steps)"
+    )
     p.add_argument("--temperature", type=float, default=1.0, help="QAD softmax temperature")
     p.add_argument("--ce-weight", type=float, default=0.0, help="QAD cross-entropy weight (KL weight 1)")
     p.add_argument(
@@ -236,8 +242,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     try:
         args.seeds = [int(s) for s in h.csv(args.seeds)]
         args.budgets = [int(s) for s in h.csv(args.budgets)]
+        args.qad_lrs = [float(s) for s in h.csv(args.qad_lrs)]
     except ValueError:
-        p.error("--seeds and --budgets take comma-separated integers")
+        p.error("--seeds and --budgets take comma-separated integers, --qad-lrs numbers")
+    if any(not lr > 0 for lr in args.qad_lrs):
+        p.error("--qad-lrs must be positive")
     for value, allowed, flag in (
         (args.models, MODELS, "--models"),
         (args.ptq, PTQ_ROWS + LEVER_PTQ_ROWS, "--ptq"),
@@ -424,6 +433,7 @@ def _train(
     seed: int,
     learn_amax: bool = False,
     freeze_embeddings: bool = False,
+    lr: float | None = None,
 ) -> tuple[Any, dict[str, Any]]:
     from transformers import Trainer
 
@@ -437,7 +447,7 @@ def _train(
     with tempfile.TemporaryDirectory(prefix="accuracy-bench-") as out:
         common = dict(
             model=student,
-            args=_training_args(args, out, steps, seed, args.qad_lr if mode == "qad" else None),
+            args=_training_args(args, out, steps, seed, lr or (args.qad_lr if mode == "qad" else None)),
             train_dataset=train_set,
             processing_class=tokenizer,
         )
@@ -594,7 +604,13 @@ def measure(kind: str, args: argparse.Namespace) -> dict[str, Any]:
         row = add(f"ptq {name}", "ptq", model, calib_seconds=round(time.perf_counter() - start, 1))
         ptq[name] = (model, row)
 
-    def trained(name: str, steps: int, seed: int, controls: dict[tuple[int, int], dict[str, Any]]) -> None:
+    def trained(
+        name: str,
+        steps: int,
+        seed: int,
+        controls: dict[tuple[int, int], dict[str, Any]],
+        lr: float | None = None,
+    ) -> None:
         mode, start_row, learn = TRAIN_ROWS[name]
         model0 = ptq[start_row][0]
         # a lever row (rotation, AWQ start) is measured against the gap of the plain format's PTQ row, so
@@ -602,10 +618,17 @@ def measure(kind: str, args: argparse.Namespace) -> dict[str, Any]:
         ptq_row = ptq[LEVER_OF.get(start_row, start_row) if LEVER_OF.get(start_row) in ptq else start_row][1]
         frozen = name.endswith("+frozen_emb")
         model, stats = _train(
-            mode, copy.deepcopy(model0), teacher, train_set, tokenizer, args, steps, seed, learn, frozen
+            mode, copy.deepcopy(model0), teacher, train_set, tokenizer, args, steps, seed, learn, frozen, lr
         )
         row = add(
-            name, mode, model, seed=seed, starts_from=f"ptq {start_row}", gap_of=ptq_row["name"], **stats
+            name if lr is None else f"{name} lr {lr:g}",
+            mode,
+            model,
+            seed=seed,
+            starts_from=f"ptq {start_row}",
+            gap_of=ptq_row["name"],
+            **({} if lr is None else {"lr": lr}),
+            **stats,
         )
         goal = controls.get((steps, seed)) if mode == "qat" else baseline
         for split in ("val", "test", "offdist"):
@@ -645,6 +668,9 @@ def measure(kind: str, args: argparse.Namespace) -> dict[str, Any]:
             controls[(steps, seed)] = add("ft", "ft", model, seed=seed, **stats)
         for name in args.budget_rows:
             trained(name, steps, seed, controls)
+    for lr in args.qad_lrs:  # the learning-rate probe, first seed
+        for name in (r for r in args.rows if TRAIN_ROWS[r][0] == "qad"):
+            trained(name, args.steps, args.seeds[0], controls, lr)
     return {
         "kind": kind,
         "eval_seq": eval_seq,

@@ -22,7 +22,8 @@ predicted token, top-1 agreement. No process holds more than one batch of log-pr
 Rows:
 
 * ours: each ``--qformat`` of ``modelopt_lite.cli.ptq.QFORMATS`` (``build_config``), and KV-cache rows
-  (``nvfp4+fp8kv`` ...). After calibration the shared scales are unified as the export does first (q/k/v,
+  (``nvfp4+fp8kv`` ...), each on its own float32 copy read from the checkpoint (one model in the process
+  at a time). After calibration the shared scales are unified as the export does first (q/k/v,
   gate/up: ``unify_shared_scales``), so the measured fake-quant model is the one exported. Then
   (``--roundtrip``) the export (``export_hf_checkpoint``; unquantized tensors in float32, as the model) is
   reloaded with its activation and KV-cache quantization rebuilt from the stored scales
@@ -43,7 +44,9 @@ Rows:
 
 A peer left unset is skipped; a row that fails records its error, and ``--json`` is rewritten after each of
 our rows. The reference worker runs in the background while our rows run (``--threads`` each); torchao
-runs after our rows. ``--quick``: 4 x 128 calibration tokens, 2 x 128 evaluation, rows fp8 and int4_awq.
+runs after our rows. At 1.5B in float32 the two do not fit 24 GB side by side: run the reference with
+``--no-ours`` and ours without ``--reference-python``, then join the two ``--json`` files with
+``--report``. ``--quick``: 4 x 128 calibration tokens, 2 x 128 evaluation, rows fp8 and int4_awq.
 """
 
 from __future__ import annotations
@@ -167,8 +170,9 @@ def prepare(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     print(
         f"unquantized: test ppl {row['ppl']:.4f} on {test.numel() - len(test)} predicted tokens", flush=True
     )
+    del base  # every row loads its own copy: one model in this process, not two (1.5B in float32: 7 GB each)
     return {"model_dir": model_dir, "tokenizer": tok, "calib": calib, "test": test, "data": data,
-            "ref_dir": str(ref_dir), "base": base, "baseline": row}  # fmt: skip
+            "ref_dir": str(ref_dir), "baseline": row}  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------- ours
@@ -327,9 +331,8 @@ def roundtrip(row: dict[str, Any], model: Any, prep: dict[str, Any], args: Any, 
 
 
 def our_rows(prep: dict[str, Any], args: argparse.Namespace, work: Path, sink: Any) -> list[dict[str, Any]]:
-    import copy
-
     import torch
+    from transformers import AutoModelForCausalLM
 
     import modelopt_lite.quantization as mtq
     from modelopt_lite.cli.ptq import NOT_EXPORTABLE, QFORMATS, build_config
@@ -341,7 +344,7 @@ def our_rows(prep: dict[str, Any], args: argparse.Namespace, work: Path, sink: A
         row: dict[str, Any] = {"library": "ours", "name": name, "preset": QFORMATS[qformat], "kv": kv}
         start = time.perf_counter()
         try:
-            model = copy.deepcopy(prep["base"])
+            model = AutoModelForCausalLM.from_pretrained(prep["model_dir"], dtype=torch.float32).eval()
             clock = time.perf_counter()
             with torch.no_grad():
                 mtq.quantize(model, build_config(qformat, kv), batches)

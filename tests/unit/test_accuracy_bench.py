@@ -86,3 +86,18 @@ def test_the_budget_curve_takes_every_qat_and_qad_row_run_at_two_budgets() -> No
     }
     # QAT's off-distribution share is against a control that leaves that text itself: not drawn
     assert set(got["qat nvfp4_nokv"]) == {"test_recovery", "kl_recovery"}
+
+
+def test_the_learning_rate_probe_trains_each_qad_row_at_each_rate(monkeypatch) -> None:
+    """``--qad-lrs``: the QAD rows at each extra peak rate, in one process (the probe of docs/training.md)."""
+    args = accuracy.parse_args(["--rows", "qad nvfp4_nokv", "--ptq", "nvfp4_nokv", "--qad-lrs", "3e-5,1e-3"])
+    assert args.qad_lrs == [3e-5, 1e-3]
+    with pytest.raises(SystemExit):
+        accuracy.parse_args(["--qad-lrs", "0"])
+    seen: list[float] = []
+    monkeypatch.setattr(accuracy, "run_training", lambda t: seen.append(t.args.learning_rate) or (None, {}))
+    base = tiny_llama(seed=0)
+    student = accuracy.ptq_model("nvfp4_nokv", base, batches(n=2))
+    for lr in (None, *args.qad_lrs):
+        accuracy._train("qad", student, base, batches(n=2), None, args, 2, 0, lr=lr)
+    assert seen == [args.lr, 3e-5, 1e-3]

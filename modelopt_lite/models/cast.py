@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
+from .._staging import builder_lock, move_into_place
 from ..logging import get_logger
-from ._staging import builder_lock, move_into_place
 
 __all__ = ["CAST_DTYPES", "cast_checkpoint"]
 

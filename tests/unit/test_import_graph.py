@@ -116,7 +116,7 @@ def test_the_cycle_finder_finds_a_cycle():
 def test_console_scripts_are_the_command_lines():
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert set(scripts) == {"modelopt-lite-ptq", "modelopt-lite-default-model"}
+    assert set(scripts) == {"modelopt-lite-ptq", "modelopt-lite-default-model", "modelopt-lite-eval"}
     for name, target in scripts.items():
         module, _, attr = target.partition(":")
         assert module.startswith("modelopt_lite.cli."), (name, target)

@@ -10,12 +10,12 @@ import hashlib
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from .logging import get_logger
 
-__all__ = ["builder_lock", "move_into_place", "sha256_file"]
+__all__ = ["build_once", "builder_lock", "move_into_place", "sha256_file"]
 
 logger = get_logger(__name__)
 _BLOCK = 1 << 20
@@ -61,6 +61,31 @@ def move_into_place(staging: Path, target: Path) -> None:
     finally:
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def build_once(
+    target: Path, complete: Callable[[Path], bool], write: Callable[[Path], None], *, force: bool = False
+) -> bool:
+    """Write the cache entry ``target`` unless ``complete(target)`` (or ``force``): under
+    :func:`builder_lock` (a second builder waits, then finds it complete), ``write(staging)`` fills a fresh
+    hidden staging folder beside ``target`` (those a killed builder left are removed first), renamed into
+    place when it returns; a failure removes the staging folder and re-raises. Whether this call wrote it."""
+    if complete(target) and not force:
+        return False
+    with builder_lock(target) as exclusive:
+        if complete(target) and not force:  # another process wrote it while this one waited
+            return False
+        if exclusive:  # no other builder runs: a staging folder left is a killed one's
+            for stale in target.parent.glob(f".{target.name}.partial-*"):
+                shutil.rmtree(stale, ignore_errors=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+        try:
+            write(staging)
+            move_into_place(staging, target)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+    return True
 
 
 def sha256_file(path: str | os.PathLike[str]) -> str:

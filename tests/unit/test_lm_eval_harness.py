@@ -79,6 +79,15 @@ def test_two_tasks_run_offline_with_lm_evals_prompts(tasks_dir, tokenizer):
     assert model.training  # the mode is restored
 
 
+def test_a_group_and_a_tag_run_their_tasks(tasks_dir, tokenizer):
+    results = evaluate_tasks(
+        tiny_model(len(tokenizer)), ["mmlu", "ai2_arc"], tokenizer=tokenizer, limit=1, task_dir=tasks_dir
+    )
+    assert {"mmlu", "mmlu_stem", "mmlu_humanities"} <= set(results["groups"])
+    assert len([t for t in results["results"] if t.startswith("mmlu_")]) == 57 + 4
+    assert {"arc_easy", "arc_challenge"} <= set(results["results"])
+
+
 def test_mmlu_few_shot_examples_come_from_its_dev_split_in_order(tasks_dir, tokenizer):
     results = evaluate_tasks(
         tiny_model(len(tokenizer)),
@@ -132,6 +141,9 @@ def test_a_fake_quant_model_and_its_export_loaded_back_score_the_same(tasks_dir,
     assert record["modelopt_lite"]["limit"] == 6
     for metric in ("acc,none", "acc_norm,none"):
         assert record["results"]["piqa"][metric] == in_memory["results"]["piqa"][metric]
+    # by path, the export loads dequantized (dense activations): the library registered its loader
+    dequantized = evaluate_tasks(tmp_path / "export", ["piqa"], limit=6, task_dir=tasks_dir)
+    assert dequantized["n-samples"]["piqa"]["effective"] == 6
 
 
 def test_a_checkpoint_directory_is_evaluated_by_path(tasks_dir, tokenizer, tmp_path):

@@ -57,7 +57,7 @@ with tempfile.TemporaryDirectory() as tmp:
 print(f"wheel smoke test: modelopt_lite {modelopt_lite.__version__} from {modelopt_lite.__file__}: ok")
 PY
 # every console script answers --help
-for script in modelopt-lite-ptq modelopt-lite-default-model; do
+for script in modelopt-lite-ptq modelopt-lite-default-model modelopt-lite-eval; do
     "$work/venv/bin/$script" --help > /dev/null
 done
 rm -rf "$work"

@@ -18,6 +18,9 @@ A format per layer group, searched under a budget of 6 bits per weight among NVF
 
     python examples/llm_ptq/hf_ptq.py --default_model dense --auto_quantize_bits 6.0 --qformat nvfp4,fp8
 
+``--tasks piqa,arc_easy --tasks_limit 200`` ends with lm-eval task accuracy of the quantized model, offline
+(the ``lm_eval`` extra and the tasks extracted once: docs/tasks.md).
+
 The same command is installed as ``modelopt-lite-ptq``; ``--help`` lists every flag.
 """
 

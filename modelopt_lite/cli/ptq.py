@@ -145,6 +145,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default="1GB",
         help="the export's safetensors shards (the export holds one shard in memory, twice while writing it)",
     )
+    p.add_argument(
+        "--tasks",
+        default=None,
+        help="last: lm-eval task accuracy of the quantized model on these local tasks, e.g. piqa,arc_easy "
+        "(the lm_eval extra and the extracted tasks: modelopt-lite-eval, docs/tasks.md)",
+    )
+    p.add_argument("--tasks_limit", type=int, default=None, help="with --tasks: N documents per task")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     p.add_argument("--trust_remote_code", action="store_true", help="run the model repository's own code")
@@ -156,6 +163,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for flag in ("calib_size", "batch_size", "calib_seq", "eval_seq"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             p.error(f"--{flag} must be a positive integer")
+    if args.tasks_limit is not None and (not args.tasks or args.tasks_limit < 1):
+        p.error("--tasks_limit: a positive number of documents, with --tasks")
+    if args.tasks:  # before the model loads: a task without local data, lm-eval missing
+        try:
+            evaluation.load_local_tasks().check(evaluation.task_names(args.tasks))
+            evaluation.require_lm_eval()
+        except (ValueError, FileNotFoundError, ImportError) as err:
+            p.error(str(err))
     if args.pyt_ckpt_path is not None and args.default_model is not None:
         p.error(
             "--default_model picks the bundled model when --pyt_ckpt_path is omitted; pass only one of them"
@@ -331,6 +346,10 @@ def _measured_run(args: argparse.Namespace) -> int:
             if not (quantized_head and embed is not None and head.weight is embed.weight):
                 mtq.fold_weight(model)
             reference.compare(args, model, tokenizer, held_out, prompts, times)
+    if args.tasks:
+        with times.phase("tasks"):
+            evaluation.evaluate_tasks(model, args.tasks, tokenizer=tokenizer, limit=args.tasks_limit,
+                                      batch_size=args.batch_size)  # fmt: skip
     logger.info("time: %s; peak memory %s", times.summary(), peak_rss())
     speed = forward_speed(times, calib.numel(), None if held_out is None else held_out.numel())
     if speed:

@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .._cache import cache_base
+from .._staging import builder_lock, move_into_place
 from .._version import __version__
 from ..logging import get_logger
-from ._staging import builder_lock, move_into_place
 from .specs import SPECS, DefaultModelSpec, spec_for
 
 if TYPE_CHECKING:

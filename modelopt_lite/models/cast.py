@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
+from .._staging import build_once
 from ..logging import get_logger
-from ._staging import builder_lock, move_into_place
 
 __all__ = ["CAST_DTYPES", "cast_checkpoint"]
 
@@ -37,21 +36,8 @@ def cast_checkpoint(source: Path, dtype: str) -> Path:
         raise ValueError(f"cast_checkpoint: dtype {dtype!r}: choose one of {sorted(CAST_DTYPES)}")
     source = Path(source)
     target = source.parent / f"{source.name}-{dtype}"
-    if (target / MARKER).is_file():
+    if not build_once(target, lambda t: (t / MARKER).is_file(), lambda s: _write_cast(source, s, dtype)):
         return target
-    with builder_lock(target) as exclusive:
-        if (target / MARKER).is_file():
-            return target
-        if exclusive:
-            for stale in target.parent.glob(f".{target.name}.partial-*"):
-                shutil.rmtree(stale, ignore_errors=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
-        try:
-            _write_cast(source, staging, dtype)
-            move_into_place(staging, target)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
     logger.info("%s in %s written to %s", source.name, dtype, target)
     return target
 

@@ -28,7 +28,6 @@ __all__ = [
     "is_gguf_file",
     "join_parts",
     "read_gguf_info",
-    "sha256_file",
     "supported_architectures",
 ]
 
@@ -149,15 +148,6 @@ def check_memory(needed: int, what: str, advice: str) -> None:
             f"{advice} (or set {SKIP_MEMORY_CHECK}=1 to try anyway)"
         )
     logger.debug("%s: about %.1f GB needed, %.1f GB available", what, needed / 1e9, free / 1e9)
-
-
-def sha256_file(path: str | os.PathLike[str]) -> str:
-    """The file's SHA-256 in hex."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(_BLOCK), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def join_parts(parts: Sequence[Path], target: Path, sha256: str | None, what: str) -> Path:

@@ -49,9 +49,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .._cache import cache_base
+from .._staging import builder_lock, move_into_place, sha256_file
 from .._version import __version__
 from ..logging import get_logger
-from ._staging import builder_lock, move_into_place
 from .gguf import (
     GGUF_INSTALL,
     check_architecture,
@@ -60,7 +60,6 @@ from .gguf import (
     join_parts,
     read_gguf_info,
     require_gguf,
-    sha256_file,
 )
 
 if TYPE_CHECKING:

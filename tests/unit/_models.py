@@ -15,7 +15,14 @@ from transformers import (
 VOCAB = 128
 
 
-def tiny_llama(layers: int = 2, hidden: int = 64, attn: str = "sdpa", seed: int = 0):
+def tiny_llama(
+    layers: int = 2,
+    hidden: int = 64,
+    attn: str = "sdpa",
+    seed: int = 0,
+    vocab: int = VOCAB,
+    positions: int = 64,
+):
     torch.manual_seed(seed)
     cfg = LlamaConfig(
         hidden_size=hidden,
@@ -23,8 +30,8 @@ def tiny_llama(layers: int = 2, hidden: int = 64, attn: str = "sdpa", seed: int 
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=64,
+        vocab_size=vocab,
+        max_position_embeddings=positions,
         attn_implementation=attn,
     )
     return LlamaForCausalLM(cfg).eval()

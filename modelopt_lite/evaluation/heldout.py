@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from .logging import get_logger
+from ..logging import get_logger
 
 __all__ = [
     "KL_MAX_BYTES",

@@ -7,10 +7,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from ._models import tiny_llama, word_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = sorted((ROOT / "examples/llm_qat/configs").glob("*.yaml"))
 
 
 def _main():
@@ -112,3 +114,25 @@ def test_bad_input(setup, tmp_path):
         main.main([*_args(setup, tmp_path), "--dataset", str(tmp_path / "missing.txt")])
     with pytest.raises(ValueError, match="is not a directory"):
         main.main([*_args(setup, tmp_path), "--teacher_model", str(tmp_path / "no_teacher")])
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_parses(config):
+    """Each YAML in examples/llm_qat/configs names only known arguments and its numbers arrive as written (a
+    typo or a wrong key stops main.py with SystemExit before any model loads)."""
+    main = _main()
+    args = main.parse(["--config", str(config)])
+    values = {k: v for a in args for k, v in vars(a).items()}
+    for key, value in yaml.safe_load(config.read_text()).items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            assert values[key] == value, (config.name, key, values[key], value)
+
+
+def test_the_gemma_recipe_distils_in_chunks_at_its_probed_rate():
+    """configs/gemma3_qad_nvfp4.yaml: the rate its 16-step probe picked (3e-5) and the chunked loss that
+    keeps a vocabulary of 262144 within memory."""
+    args = _main().parse(["--config", str(ROOT / "examples/llm_qat/configs/gemma3_qad_nvfp4.yaml")])
+    values = {k: v for a in args for k, v in vars(a).items()}
+    assert values["learning_rate"] == 3e-5
+    assert values["distill_chunk_size"] == 512
+    assert values["default_model"] == "gemma3-270m"

@@ -26,7 +26,8 @@ where the task has it (HellaSwag, PIQA, ARC), else ``acc`` (WinoGrande, BoolQ, L
 their mean over the tasks. A PTQ row's ``drop`` is ``mean_float - mean_row``; a trained row's
 ``recovered`` is ``(mean_row - mean_ptq) / (mean_float - mean_ptq)`` against its ``FORMAT`` row (none when
 PTQ lost under one standard error of the mean: nothing to win back), given per task too. ``--json`` is
-rewritten after every row; ``--report F`` rebuilds the tables and figure from such a file.
+rewritten after every row; ``--report F`` rebuilds the tables and figure from such a file, ``--merge F ...``
+from several (for example a trained row measured later, beside the PTQ rows of an earlier run).
 """
 
 from __future__ import annotations
@@ -62,6 +63,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=4, help="calibration batch")
     p.add_argument("--task-dir", help="an extracted task folder (default: the cached one)")
     p.add_argument("--report", metavar="F", help="only rebuild the tables / figure from this --json file")
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="F",
+        help="join --json files of runs on the same model, tasks and --limit (a later run's trained rows "
+        "beside an earlier run's PTQ rows; a row measured twice must agree) into --json / --md / --png",
+    )
     h.common(p, threads=1, json="results (rewritten after each row)", md="tables", png="figure")
     args = p.parse_args(argv)
     args.formats = h.csv(args.formats)
@@ -289,10 +297,31 @@ def write(result: dict[str, Any], args: argparse.Namespace) -> None:
             plot(result, args.png)
 
 
+def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One result of several runs on the same documents; a row name measured twice must agree."""
+    first = results[0]
+    same = ("model", "tasks", "limit")
+    rows = {r["name"]: r for r in first["rows"]}
+    for other in results[1:]:
+        differ = [k for k in same if other["meta"][k] != first["meta"][k]]
+        if differ:
+            raise SystemExit(f"--merge: the runs differ in {differ}: not the same documents")
+        for row in other["rows"]:
+            old = rows.setdefault(row["name"], row)
+            if old["tasks"] != row["tasks"]:
+                raise SystemExit(f"--merge: row {row['name']!r} was measured twice with other figures")
+    commands = [r["meta"]["command"] for r in results]
+    return {
+        "meta": {**first["meta"], "command": commands, "merged": len(results)},
+        "rows": list(rows.values()),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.report:
-        result = json.loads(Path(args.report).read_text())
+    if args.report or args.merge:
+        runs = [json.loads(Path(f).read_text()) for f in ([args.report] if args.report else args.merge)]
+        result = merge(runs)
         summarize(result["rows"])
         print(markdown(result))
         write(result, args)

@@ -107,6 +107,21 @@ def test_rows_are_each_models_lm_eval_figures(setup, tmp_path):
     # --report rebuilds the same tables from the JSON
     assert bench.main(["--report", str(tmp_path / "r.json"), "--md", str(tmp_path / "again.md")]) == 0
     assert (tmp_path / "again.md").read_text() == table
+    # --merge: a later run's rows beside an earlier run's, the rows both measured must agree
+    runs = []
+    for i, names in enumerate((["float", "fp8", "nvfp4"], ["float", "nvfp4", "qad nvfp4"])):
+        part = {**result, "rows": [rows[n] for n in names]}
+        runs.append(tmp_path / f"part{i}.json")
+        runs[-1].write_text(json.dumps(part))
+    assert bench.main(["--merge", *map(str, runs), "--json", str(tmp_path / "m.json")]) == 0
+    merged = json.loads((tmp_path / "m.json").read_text())
+    assert [r["name"] for r in merged["rows"]] == list(rows)
+    assert merged["rows"][3]["recovered_per_task"] == rows["qad nvfp4"]["recovered_per_task"]
+    part = json.loads(runs[1].read_text())
+    part["rows"][1]["tasks"]["piqa"]["acc"] += 0.25
+    runs[1].write_text(json.dumps(part))
+    with pytest.raises(SystemExit, match="'nvfp4' was measured twice"):
+        bench.main(["--merge", *map(str, runs)])
 
 
 def _row(name, kind, piqa, arc, err=0.01, **extra):

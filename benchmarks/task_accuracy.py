@@ -55,6 +55,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="",
         help="comma-separated NAME=DIR@FORMAT: a QAD / QAT output directory and the PTQ row it started from",
     )
+    p.add_argument(
+        "--trained-only",
+        action="store_true",
+        help="measure only the --trained rows (to --merge with an earlier run holding float and PTQ rows)",
+    )
     p.add_argument("--tasks", default=",".join(TASKS), help="comma-separated local lm-eval tasks")
     p.add_argument("--limit", type=int, default=None, help="the first N documents of each task (default all)")
     p.add_argument("--eval-batch-size", type=int, default=8, help="lm-eval's batch size")
@@ -75,6 +80,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.formats = h.csv(args.formats)
     args.tasks = h.csv(args.tasks)
     args.trained = [parse_trained(t) for t in h.csv(args.trained)]
+    if args.trained_only and not args.trained:
+        p.error("--trained-only: name the rows with --trained NAME=DIR@FORMAT")
     if args.limit is not None and args.limit < 1:
         p.error("--limit: a positive number of documents")
     return args
@@ -193,7 +200,7 @@ def measure(args: argparse.Namespace, save: Any) -> list[dict[str, Any]]:
             raise SystemExit(f"--trained {t['name']!r}: {t['dir']} is not a quantized model saved by this "
                              "library (QADTrainer / QATTrainer save_model, or save_pretrained after "
                              "mto.enable_huggingface_checkpointing())")  # fmt: skip
-        if t["format"] not in args.formats:
+        if t["format"] not in args.formats and not args.trained_only:
             raise SystemExit(f"--trained {t['name']!r}: its PTQ row {t['format']!r} is not in --formats")
     path = model_dir(args.model)
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -212,8 +219,9 @@ def measure(args: argparse.Namespace, save: Any) -> list[dict[str, Any]]:
         h.log(f"  {row['name']:<16} mean {row['mean']:.4f}  {cells}  ({row['tasks_s']:.0f} s)")
         save(rows)
 
-    add({"name": "float", "kind": "float"}, load(path))
-    for name in args.formats:
+    if not args.trained_only:
+        add({"name": "float", "kind": "float"}, load(path))
+    for name in [] if args.trained_only else args.formats:
         model = load(path)
         start = time.perf_counter()
         with torch.no_grad():

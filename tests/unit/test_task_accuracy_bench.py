@@ -107,6 +107,12 @@ def test_rows_are_each_models_lm_eval_figures(setup, tmp_path):
     # --report rebuilds the same tables from the JSON
     assert bench.main(["--report", str(tmp_path / "r.json"), "--md", str(tmp_path / "again.md")]) == 0
     assert (tmp_path / "again.md").read_text() == table
+    # --trained-only: the trained row alone, the same figures (to --merge beside an earlier run's)
+    later = ["--trained-only", "--trained", f"qad nvfp4={trained}@nvfp4", "--json", str(tmp_path / "t.json")]
+    assert bench.main(_args(setup, tmp_path, *later)) == 0
+    alone = json.loads((tmp_path / "t.json").read_text())["rows"]
+    assert [r["name"] for r in alone] == ["qad nvfp4"]
+    assert alone[0]["tasks"] == rows["qad nvfp4"]["tasks"]
     # --merge: a later run's rows beside an earlier run's, the rows both measured must agree
     runs = []
     for i, names in enumerate((["float", "fp8", "nvfp4"], ["float", "nvfp4", "qad nvfp4"])):

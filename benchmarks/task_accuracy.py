@@ -248,7 +248,7 @@ def markdown(result: dict[str, Any]) -> str:
         h.table_head(
             "| row | "
             + " | ".join(f"{t} {headline(t)}" for t in tasks)
-            + " | mean | drop / recovered | tasks s |"
+            + " | mean | vs float / recovered | tasks s |"
         )
     ]
     for r in rows:
@@ -257,7 +257,7 @@ def markdown(result: dict[str, Any]) -> str:
             for t in tasks
         ]
         if r["kind"] == "ptq":
-            extra = f"-{100 * r['drop']:.1f} pts"
+            extra = f"{-100 * r['drop']:+.1f} pts"
         elif r["kind"] == "trained":
             share = None if r.get("recovered") is None else 100 * r["recovered"]
             extra = f"{h.fmt_or_na(share, '.0f')}% of {r['starts_from']}'s drop"

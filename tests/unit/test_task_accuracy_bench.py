@@ -104,6 +104,7 @@ def test_rows_are_each_models_lm_eval_figures(setup, tmp_path):
     table = (tmp_path / "r.md").read_text()
     assert "| piqa acc_norm | arc_easy acc_norm |" in table
     assert "| qad nvfp4 |" in table
+    assert f"| {-100 * rows['fp8']['drop']:+.1f} pts |" in table  # a loss is negative, a gain positive
     # --report rebuilds the same tables from the JSON
     assert bench.main(["--report", str(tmp_path / "r.json"), "--md", str(tmp_path / "again.md")]) == 0
     assert (tmp_path / "again.md").read_text() == table

@@ -113,8 +113,26 @@ TRAIN_ROWS: dict[str, tuple[str, str, bool]] = {
         # amax: the int4 +la row; NVFP4 W4A4 has no static amax to learn)
         "qad nvfp4_nokv +frozen_emb", "qad nvfp4_nokv_awq", "qad nvfp4_nokv_rot",
         "qad nvfp4_nokv_46", "qad nvfp4_nokv_aq", "qad w4a16_nvfp4 +frozen_emb",
+        # LoRA (issue 43): +loraR trains rank-R adapters deployed merged, +loraRs served, +qloraR served on
+        # the base compressed to its real format (mtq.compress)
+        *(f"{m} {f} +{kind}" for m in ("qad", "qat") for f in ("nvfp4_nokv", "int4")
+          for kind in ("lora8", "lora32", "lora128", "lora32s", "qlora32")),
     )
 }  # fmt: skip
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def lora_of(row: str) -> tuple[int, str, bool] | None:
+    """``(rank, deployment, compressed base)`` of a ``+lora`` / ``+qlora`` row, else None."""
+    import re
+
+    found = re.search(r"\+(q?)lora(\d+)(s?)$", row)
+    if found is None:
+        return None
+    qlora, rank, served = found.groups()
+    return int(rank), "served" if (served or qlora) else "merged", bool(qlora)
+
+
 DEFAULT_TRAIN = (
     "qat nvfp4",
     "qad nvfp4",
@@ -185,6 +203,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="tokens per chunk of the QAD loss (default: the whole batch at once, the reference's "
         "arithmetic bit for bit; a number: the same objective, less memory, other rounding)",
+    )
+    p.add_argument(
+        "--lora-lr",
+        type=float,
+        default=None,
+        help="peak learning rate of the +lora rows (default: as QAD / QAT)",
     )
     p.add_argument("--amax-lr-multiplier", type=float, default=1.0, help="lr of learnable amax (+la rows)")
     p.add_argument("--seeds", default="0", help="comma-separated Trainer seeds (the first runs every row)")
@@ -266,7 +290,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag in ("threads", "steps", "batch_size", "seq_len", "calib_size"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be a positive integer")
-    for flag in ("lr", "temperature", "amax_lr_multiplier", "qad_lr"):
+    for flag in ("lr", "temperature", "amax_lr_multiplier", "qad_lr", "lora_lr"):
         if getattr(args, flag) is not None and not getattr(args, flag) > 0:
             p.error(f"--{flag.replace('_', '-')} must be positive")
     if args.ce_weight < 0:
@@ -434,6 +458,7 @@ def _train(
     learn_amax: bool = False,
     freeze_embeddings: bool = False,
     lr: float | None = None,
+    lora: tuple[int, str, bool] | None = None,
 ) -> tuple[Any, dict[str, Any]]:
     from transformers import Trainer
 
@@ -444,17 +469,35 @@ def _train(
     if freeze_embeddings:  # the tied embedding / lm_head keeps its weights (a fifth of SmolLM2-135M's)
         student.get_input_embeddings().weight.requires_grad_(False)
         student.get_output_embeddings().weight.requires_grad_(False)
+    lora_args: dict[str, Any] = {}
+    if lora is not None:  # adapters on the PTQ model (quantize, then wrap); QLoRA compresses the base first
+        from peft import LoraConfig
+
+        import modelopt_lite.quantization as mtq
+
+        rank, _, compressed = lora
+        if compressed:
+            mtq.compress(student)
+        lora_args["lora_config"] = LoraConfig(
+            r=rank, lora_alpha=rank, lora_dropout=0.0, target_modules=list(LORA_TARGETS)
+        )
+        lr = lr or args.lora_lr
     with tempfile.TemporaryDirectory(prefix="accuracy-bench-") as out:
         common = dict(
             model=student,
             args=_training_args(args, out, steps, seed, lr or (args.qad_lr if mode == "qad" else None)),
             train_dataset=train_set,
             processing_class=tokenizer,
+            **lora_args,
         )
         # the student already carries its PTQ quantizers: the trainers skip quantization and calibration
-        quant = QuantizationArguments(recipe="NVFP4_DEFAULT_CFG", amax_lr_multiplier=args.amax_lr_multiplier)
+        quant = QuantizationArguments(
+            recipe="NVFP4_DEFAULT_CFG",
+            amax_lr_multiplier=args.amax_lr_multiplier,
+            lora_deploy=lora[1] if lora else "auto",
+        )
         if mode == "ft":
-            trainer: Any = Trainer(**common)
+            trainer: Any = Trainer(**{k: v for k, v in common.items() if k != "lora_config"})
         elif mode == "qat":
             trainer = QATTrainer(**common, quant_args=quant)
         else:
@@ -478,6 +521,7 @@ def run_training(trainer: Any) -> tuple[Any, dict[str, Any]]:
     model = trainer.accelerator.unwrap_model(trainer.model).eval()
     return model, {
         "train_seconds": round(seconds, 1),
+        "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "steps": trainer.state.global_step,
         "train_loss_first": losses[0] if losses else None,
         "train_loss_last": losses[-1] if losses else None,
@@ -618,8 +662,9 @@ def measure(kind: str, args: argparse.Namespace) -> dict[str, Any]:
         ptq_row = ptq[LEVER_OF.get(start_row, start_row) if LEVER_OF.get(start_row) in ptq else start_row][1]
         frozen = name.endswith("+frozen_emb")
         model, stats = _train(
-            mode, copy.deepcopy(model0), teacher, train_set, tokenizer, args, steps, seed, learn, frozen, lr
-        )
+            mode, copy.deepcopy(model0), teacher, train_set, tokenizer, args, steps, seed, learn, frozen, lr,
+            lora_of(name),
+        )  # fmt: skip
         row = add(
             name if lr is None else f"{name} lr {lr:g}",
             mode,

@@ -9,6 +9,9 @@ Arguments: ``ModelArguments`` and ``DataArguments`` below, ``transformers.Traini
 command line overrides it. Without ``--model_name_or_path`` the bundled default model (``--default_model
 dense|moe``) is used, trained on first use; without ``--dataset``, its corpus (CPython's documentation).
 ``--teacher_model same`` distils from the unquantized starting model (QAD); no teacher means QAT.
+``--lora true`` (``--lora_r``, ``--lora_alpha``, ``--lora_target_modules``, ``--lora_deploy merged|served``)
+trains peft LoRA adapters on the frozen quantized model instead of its weights; a served adapter is exported
+as ``export/base_model`` plus the adapter in ``export``.
 ``--dataset`` is any source ``modelopt_lite.data`` reads (local .txt / .md / .json / .jsonl / .csv / .parquet,
 a ``save_to_disk`` directory); its last ``--heldout_percent`` of documents are held out for evaluation.
 
@@ -34,7 +37,9 @@ from modelopt_lite import evaluation
 from modelopt_lite.data import TokenWindows, heldout_split, load_texts, token_stream
 from modelopt_lite.distributed import is_sharded
 from modelopt_lite.export import export_hf_checkpoint
+from modelopt_lite.export.lora import BASE_MODEL_DIR
 from modelopt_lite.logging import get_logger
+from modelopt_lite.nn.lora import lora_deploy
 from modelopt_lite.training import DistillationArguments, QADTrainer, QATTrainer, QuantizationArguments
 
 logger = get_logger("modelopt_lite.examples.llm_qat")
@@ -129,6 +134,17 @@ def split_texts(data: DataArguments, default_model: str | None) -> tuple[list[st
         raise SystemExit(f"--dataset: {err}") from None
 
 
+def reload_export(export_dir: Path) -> torch.nn.Module:
+    """The exported checkpoint read back: with ``transformers``, plus ``peft`` for a served adapter
+    (the quantized base in ``export_dir/base_model``, the adapter beside it)."""
+    if (export_dir / "adapter_config.json").is_file():
+        from peft import PeftModel
+
+        base = AutoModelForCausalLM.from_pretrained(export_dir / BASE_MODEL_DIR, dtype=torch.float32)
+        return PeftModel.from_pretrained(base, export_dir)
+    return AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     model_args, data, training, quant, distill = parse(sys.argv[1:] if argv is None else argv)
     named = model_args.default_model if model_args.model_name_or_path is None else None
@@ -176,6 +192,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     trainer = QADTrainer(**common, distill_args=distill) if teacher else QATTrainer(**common)
     results["mode"] = "qad" if teacher else "qat"
+    if (deploy := lora_deploy(trainer.model)) is not None:
+        trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+        results["lora"] = {"deploy": deploy, "r": quant.lora_r, "trainable_parameters": trainable}
     if reference is None:
         reference = trainer.teacher
     trainer.quantize_model()  # PTQ first, to report what training recovers
@@ -195,7 +214,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if is_sharded(model) or trainer.is_world_process_zero():
         exported = export_hf_checkpoint(model, export_dir, tokenizer=tokenizer, overwrite=True)
     if trainer.is_world_process_zero():
-        reloaded = AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32)
+        reloaded = reload_export(export_dir)
         results["export_dir"] = str(export_dir)
         results["export_mb"] = round(exported.total_bytes / 1e6, 3)
         measure("exported_weights", reloaded)

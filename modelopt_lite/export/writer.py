@@ -39,9 +39,11 @@ from ..distributed import (
 from ..logging import get_logger
 from ..nn import iter_quantizers
 from ..nn.errors import UnsupportedFeatureError
+from ..nn.lora import is_peft_model
 from ..quantization.compress.packers import INPUT_SCALE_BOUND, get_packer, scale_of_amax
 from .hf_config import hf_quant_config, quantization_config
 from .layers import ExportLayer, ExportModule, export_plan, foldable_norms, kv_layers, unify_shared_scales
+from .lora import export_with_adapters
 from .shards import ShardWriter, _check_target, _move_into_place, parse_size, umask
 from .verify import verify_export
 
@@ -291,6 +293,9 @@ def export_hf_checkpoint(
             )
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype={dtype!r}: expected a floating torch.dtype such as torch.bfloat16, or None")
+    if is_peft_model(model):  # LoRA adapters: merged into the weights, or served beside the base (.lora)
+        rest = {"dtype": dtype, "tokenizer": tokenizer, "max_shard_size": max_shard_size, "verify": verify}
+        return export_with_adapters(model, export_dir, export_hf_checkpoint, overwrite, **rest)
     max_bytes = parse_size(max_shard_size)
     if not any(True for _ in iter_quantizers(model)):
         raise ValueError(

@@ -114,8 +114,17 @@ class QuantLinear(QuantModule):
     def _from_view(self, w: torch.Tensor) -> torch.Tensor:
         return w
 
-    def quantized_weight(self) -> torch.Tensor:
-        return self._from_view(self.weight_quantizer(self._weight_view()))
+    def quantized_weight(self, delta: torch.Tensor | None = None) -> torch.Tensor:
+        """``Q_w(W)`` in the stored layout; with ``delta`` (stored layout, e.g. a LoRA adapter's ``s B A``)
+        ``Q_w(W + delta)``: what the layer computes once the delta is merged into its weight."""
+        if delta is None:
+            return self._from_view(self.weight_quantizer(self._weight_view()))
+        merged = self.weight + delta.to(self.weight.dtype)
+        return self._from_view(self.weight_quantizer(self._to_view(merged)))
+
+    def _to_view(self, w: torch.Tensor) -> torch.Tensor:
+        """A weight in the stored layout as ``(out, in)``."""
+        return w
 
     def weight_quantizer_pairs(self) -> Iterator[tuple[Quantizer, torch.Tensor]]:
         if self.weight is not None:  # a layer whose weight was removed (set to None) has nothing to calibrate
@@ -137,7 +146,12 @@ class QuantLinear(QuantModule):
         return out + F.linear(F.linear(x, factors[0].to(x.dtype)), factors[1].to(x.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        out = F.linear(self.input_quantizer(x), self.quantized_weight(), self.bias)
+        return self.forward_with_delta(x, None)
+
+    def forward_with_delta(self, x: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+        """The forward with ``delta`` added to the weight before its quantizer (see :meth:`quantized_weight`):
+        how a LoRA adapter deployed merged trains (:mod:`modelopt_lite.nn.lora`)."""
+        out = F.linear(self.input_quantizer(x), self.quantized_weight(delta), self.bias)
         return self._plus_lowrank(x, self.output_quantizer(out))
 
 
@@ -151,11 +165,15 @@ class QuantConv1D(QuantLinear):
     def _weight_view(self) -> torch.Tensor:
         return self.weight.t()
 
+    def _to_view(self, w: torch.Tensor) -> torch.Tensor:
+        return w.t()
+
     def _from_view(self, w: torch.Tensor) -> torch.Tensor:
         return w.t()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward_with_delta(self, x: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
         size_out = (*x.shape[:-1], self.nf)
         xq = self.input_quantizer(x)
-        out = torch.addmm(self.bias, xq.reshape(-1, xq.shape[-1]), self.quantized_weight()).view(size_out)
+        weight = self.quantized_weight(delta)
+        out = torch.addmm(self.bias, xq.reshape(-1, xq.shape[-1]), weight).view(size_out)
         return self._plus_lowrank(x, self.output_quantizer(out))

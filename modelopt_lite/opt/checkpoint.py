@@ -18,7 +18,7 @@ from ..quantization.insertion import remove_quantizers, snapshot_implementations
 from .hf import attach, checkpointing_enabled
 from .state import modelopt_state, restore_from_modelopt_state
 
-__all__ = ["STATE_FILE", "load_state", "restore", "save"]
+__all__ = ["STATE_FILE", "first_difference", "load_state", "restore", "save"]
 
 logger = get_logger(__name__)
 _METADATA_KEY = "modelopt_lite_state"
@@ -108,3 +108,26 @@ def restore(model: nn.Module, f: str | os.PathLike[str]) -> nn.Module:
     if checkpointing_enabled():
         attach(model)
     return model
+
+
+def first_difference(a: Any, b: Any, path: str = "") -> str | None:
+    """Where two plain JSON values first differ, as ``path: a != b``; None when equal."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in sorted(set(a) | set(b), key=str):
+            if key not in a or key not in b:
+                return f"{path}.{key}: {'missing' if key not in a else a[key]!r} != " + (
+                    "missing" if key not in b else repr(b[key])
+                )
+            found = first_difference(a[key], b[key], f"{path}.{key}")
+            if found:
+                return found
+        return None
+    if isinstance(a, list) and isinstance(b, list):
+        if len(a) != len(b):
+            return f"{path}: {len(a)} entries != {len(b)} entries"
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            found = first_difference(x, y, f"{path}[{i}]")
+            if found:
+                return found
+        return None
+    return None if a == b else f"{path}: {a!r} != {b!r}"

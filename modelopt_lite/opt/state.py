@@ -11,6 +11,7 @@ from torch import nn
 from .._version import __version__
 from ..logging import get_logger
 from ..nn import QUANT_MODULES, QuantModule, SequentialQuantizer, TensorQuantizer, iter_quantizers
+from ..nn.lora import adapter_modules
 from ..nn.quant_linear import LOWRANK_BUFFERS, lowrank_factors, set_lowrank_factors
 from ..quantization import QuantizeConfig, quant_state, quantizer_attributes
 from ..quantization.compress import CompressedLinear, compressed_state, restore_compressed
@@ -144,10 +145,14 @@ def _check_modules(model: nn.Module, state: dict[str, Any]) -> None:
                     f"expects {info['weight_shape']}"
                 )
     quantizers = (TensorQuantizer, SequentialQuantizer, QuantModule)
+    adapters = adapter_modules(model)  # peft's lora_A / lora_B are never quantized
     extra = [
         n
         for n, m in model.named_modules()
-        if n not in modules and not isinstance(m, quantizers) and type(m) in QUANT_MODULES
+        if n not in modules
+        and not isinstance(m, quantizers)
+        and type(m) in QUANT_MODULES
+        and id(m) not in adapters
     ]
     if extra:
         raise ValueError(

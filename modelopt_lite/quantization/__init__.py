@@ -52,6 +52,7 @@ from .config import (
 )
 from .config.config_models import *  # noqa: F403  (the reference's pydantic config classes)
 from .insertion import insert_quantizers
+from .lora import add_lora, merge_lora, set_lora_deploy
 from .model_quant import (
     disable_quantizer,
     enable_quantizer,
@@ -97,7 +98,10 @@ __all__ = [
     "calib",
     "calibrate",
     "check_calibrated",
+    "add_lora",
     "compress",
+    "merge_lora",
+    "set_lora_deploy",
     "compute_quantization_mse",
     "disable_quantizer",
     "enable_quantizer",

@@ -19,6 +19,7 @@ from ..moe import (
 )
 from ..nn import QUANT_MODULES, QuantModule, SequentialQuantizer, TensorQuantizer, iter_quantizers
 from ..nn.kv_attention import QuantAttention, kv_attention_name
+from ..nn.lora import adapter_modules
 from ..nn.quant_module import replaced_forward
 from .config import QuantizeConfig, QuantRule
 from .config.presets import STANDARD_EXCLUSIONS
@@ -42,8 +43,10 @@ STATE_ATTR = "_modelopt_lite_quant"  # the QuantState that mtq.quantize records 
 
 
 def match_name(name: str) -> str:
-    """The name patterns are matched against (per-expert indices folded away)."""
-    return _PER_EXPERT.sub(r"\1", name)
+    """The name patterns are matched against (per-expert indices folded away; the ``.base_layer`` that
+    peft puts between a LoRA-wrapped layer and its quantizers dropped, so ``*q_proj.weight_quantizer``
+    matches with and without adapters)."""
+    return _PER_EXPERT.sub(r"\1", name.replace(".base_layer.", "."))
 
 
 def insert_quantizers(model: nn.Module, experts_implementation: str | None = None) -> list[str]:
@@ -53,8 +56,9 @@ def insert_quantizers(model: nn.Module, experts_implementation: str | None = Non
     converted: list[str] = []
     shadowed: dict[str, str] = {}
     replaced: dict[str, str] = {}  # a forward on the instance that does not run the quantized class forward
+    adapters = adapter_modules(model)  # peft's lora_A / lora_B stay unquantized (the base layer is quantized)
     for name, module in list(model.named_modules()):
-        if isinstance(module, (TensorQuantizer, SequentialQuantizer, QuantModule)):
+        if isinstance(module, (TensorQuantizer, SequentialQuantizer, QuantModule)) or id(module) in adapters:
             continue
         if type(module) in QUANT_MODULES:
             QUANT_MODULES.convert(module)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..formats import learnable_amax_error
+from ..nn.lora import require_peft
 from ..quantization import QuantizeConfig, resolve_config
 from ..quantization.config import ALGORITHMS, QuantRule
 
@@ -16,6 +17,7 @@ __all__ = ["DistillationArguments", "QuantizationArguments"]
 
 _EXPERTS = ("eager", "grouped_mm")
 _MALLOC_TUNING = ("auto", "on", "off")
+_LORA_DEPLOY = ("auto", "merged", "served")
 
 
 @dataclass
@@ -52,6 +54,24 @@ class QuantizationArguments:
         default=1.0,
         metadata={"help": "Learning rate of learnable amax parameters relative to learning_rate (they get "
                   "their own optimizer param group, without weight decay)."},
+    )  # fmt: skip
+    lora: bool = field(
+        default=False,
+        metadata={"help": "Train LoRA adapters (peft) on the frozen quantized model instead of its weights "
+                  "(a lora_config passed to the trainer wins over the lora_* fields)."},
+    )  # fmt: skip
+    lora_r: int = field(default=8, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha (the adapter is scaled by alpha / r)."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the adapter input (served only)."})
+    lora_target_modules: str = field(
+        default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+        metadata={"help": "Comma-separated module names that get an adapter (peft's target_modules)."},
+    )
+    lora_deploy: str = field(
+        default="auto",
+        metadata={"help": "merged: the weight quantizer sees W + s B A and the export merges the adapter; "
+                  "served: the adapter runs beside the quantized base and is exported as a peft adapter; "
+                  "auto: served on a compressed base (QLoRA), merged otherwise."},
     )  # fmt: skip
     calib_size: int = field(default=512, metadata={"help": "Number of calibration samples."})
     calib_batch_size: int = field(default=1, metadata={"help": "Batch size of the calibration passes."})
@@ -125,6 +145,17 @@ class QuantizationArguments:
             raise ValueError(f"experts_implementation={self.experts_implementation!r} (allowed: {_EXPERTS})")
         if self.gc_refreeze_every is not None and self.gc_refreeze_every < 1:
             raise ValueError(f"gc_refreeze_every={self.gc_refreeze_every!r} must be >= 1 or unset")
+        if self.lora_deploy not in _LORA_DEPLOY:
+            raise ValueError(f"lora_deploy={self.lora_deploy!r} (allowed: {', '.join(_LORA_DEPLOY)})")
+        if self.lora:
+            require_peft()
+            if self.lora_r < 1 or not self.lora_target_modules.strip():
+                raise ValueError(
+                    f"lora_r={self.lora_r!r} must be >= 1 and lora_target_modules non-empty "
+                    f"(got {self.lora_target_modules!r})"
+                )
+            if not 0 <= self.lora_dropout < 1:
+                raise ValueError(f"lora_dropout={self.lora_dropout!r} must be in [0, 1)")
         if self.malloc_tuning not in _MALLOC_TUNING:
             raise ValueError(f"malloc_tuning={self.malloc_tuning!r} (allowed: {', '.join(_MALLOC_TUNING)})")
         mb = self.malloc_mmap_threshold_mb
@@ -132,6 +163,21 @@ class QuantizationArguments:
             raise ValueError(
                 f"malloc_mmap_threshold_mb={mb!r} must be an integer from 1 to 2047 (mallopt's limit)"
             )
+
+    def lora_config(self) -> Any:
+        """The ``peft.LoraConfig`` of the ``lora_*`` fields (causal LM), or None without ``lora``."""
+        if not self.lora:
+            return None
+        from peft import LoraConfig, TaskType  # the peft extra; checked in __post_init__
+
+        targets = [t.strip() for t in self.lora_target_modules.split(",") if t.strip()]
+        return LoraConfig(
+            r=self.lora_r,
+            lora_alpha=self.lora_alpha,
+            lora_dropout=self.lora_dropout,
+            target_modules=targets,
+            task_type=TaskType.CAUSAL_LM,
+        )
 
     def quantize_configs(self) -> list[QuantizeConfig]:
         """:meth:`quantize_config` of each comma-separated name of ``recipe`` (several are the candidates of

@@ -32,13 +32,16 @@ from ..allocator import MallocPolicy
 from ..distributed import all_ranks_succeed, is_sharded, rank, unsharded_class, world_size
 from ..export.shards import ShardWriter
 from ..logging import get_logger
-from ..opt.checkpoint import STATE_FILE
+from ..nn.lora import is_peft_model, lora_deploy
+from ..opt.checkpoint import STATE_FILE, first_difference
 from ..opt.hf import attached
 from ..opt.state import modelopt_state, restore_from_modelopt_state
 from ..quantization import auto_quantize, need_calibration, quant_state, quantize
 from ..quantization.compress import compressed_layers
 from ..quantization.config import plain
 from ..quantization.config.presets import AUTO_QUANTIZE_DISABLED
+from ..quantization.lora import warn_unquantized_adapters
+from .adapters import load_frozen_base, save_frozen_base, with_adapters
 from .arguments import QuantizationArguments
 from .calib_data import calibration_samples
 from .callbacks import _AmaxCheckCallback, _GCCallback
@@ -55,35 +58,16 @@ def learnable_amax_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Para
     return {n: p for n, p in model.named_parameters() if n.rsplit(".", 1)[-1] == "_amax"}
 
 
-def _first_difference(a: Any, b: Any, path: str = "") -> str | None:
-    """Where two plain JSON values first differ, as ``path: a != b``; None when equal."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        for key in sorted(set(a) | set(b), key=str):
-            if key not in a or key not in b:
-                return f"{path}.{key}: {'missing' if key not in a else a[key]!r} != " + (
-                    "missing" if key not in b else repr(b[key])
-                )
-            found = _first_difference(a[key], b[key], f"{path}.{key}")
-            if found:
-                return found
-        return None
-    if isinstance(a, list) and isinstance(b, list):
-        if len(a) != len(b):
-            return f"{path}: {len(a)} entries != {len(b)} entries"
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            found = _first_difference(x, y, f"{path}[{i}]")
-            if found:
-                return found
-        return None
-    return None if a == b else f"{path}: {a!r} != {b!r}"
-
-
 class QATTrainer(Trainer):
     """``Trainer`` for quantization-aware training. Extra keyword arguments:
 
     * ``quant_args``: :class:`QuantizationArguments` (recipe, calibration size, gc policy, ...);
     * ``calib_dataset``: a dataset of tokenized samples for calibration (default: ``quant_args.calib_dataset``
-      read and tokenized with ``processing_class``, else the first ``calib_size`` train samples).
+      read and tokenized with ``processing_class``, else the first ``calib_size`` train samples);
+    * ``lora_config``: a ``peft.LoraConfig`` (default: ``quant_args.lora_config()``, from ``--lora``): the
+      model is wrapped with the adapters (:func:`mtq.add_lora`, deployed as ``quant_args.lora_deploy``)
+      before it is quantized, and only the adapters train. A model already wrapped by ``get_peft_model``
+      trains its adapters as it is.
     """
 
     def __init__(
@@ -91,10 +75,15 @@ class QATTrainer(Trainer):
         *args: Any,
         quant_args: QuantizationArguments | None = None,
         calib_dataset: Any = None,
+        lora_config: Any = None,
         **kwargs: Any,
     ):
+        quant_args = quant_args or QuantizationArguments()
+        lora_config = lora_config if lora_config is not None else quant_args.lora_config()
+        if lora_config is not None:
+            args, kwargs = with_adapters(args, kwargs, lora_config, quant_args.lora_deploy)
         super().__init__(*args, **kwargs)
-        self.quant_args = quant_args or QuantizationArguments()
+        self.quant_args = quant_args
         self.calib_dataset = calib_dataset
         self.gc_policy = GCPolicy(self.quant_args.manual_gc, self.quant_args.gc_refreeze_every)
         self.add_callback(_GCCallback(self.gc_policy))
@@ -108,12 +97,18 @@ class QATTrainer(Trainer):
 
     def _check_launch(self) -> None:
         compressed = compressed_layers(self.model) if self.model is not None else {}
-        if compressed:
+        if compressed and lora_deploy(self.model) == "served":
+            logger.info(
+                "QLoRA: %d compressed layer(s) stay frozen in their real formats; the adapters train",
+                len(compressed),
+            )
+        elif compressed:
             name, algo = next(iter(compressed.items()))
             raise ValueError(
                 f"the model is compressed ({len(compressed)} layer(s) hold real {algo} weights, e.g. "
                 f"{name}): train before compressing (QAT / QAD on the fake-quantized model, then "
-                "mtq.compress); fine-tuning frozen compressed weights is not supported"
+                "mtq.compress), or train LoRA adapters on the frozen compressed weights (QLoRA: "
+                "lora_config=...)"
             )
         launched = int(os.environ.get("WORLD_SIZE", "1"))
         if launched > 1 and self.args.world_size == 1:
@@ -198,6 +193,7 @@ class QATTrainer(Trainer):
         )  # fmt: skip
         quantize(model, config, batches, self.quant_args.experts_implementation)
         self._quantized_by_me = True
+        warn_unquantized_adapters(model)
 
     def _auto_quantize(self) -> None:
         """``mtq.auto_quantize`` among the recipe's candidates under ``auto_quantize_bits``, calibrated and
@@ -275,7 +271,7 @@ class QATTrainer(Trainer):
                 "trainer that made it, or start from the model without resume_from_checkpoint)"
             )
         saved = json.loads(path.read_text())
-        difference = _first_difference(saved["modelopt_state"]["quant_config"], self._expected_config())
+        difference = first_difference(saved["modelopt_state"]["quant_config"], self._expected_config())
         if difference:
             raise ValueError(
                 f"{checkpoint} was made with recipe {saved.get('recipe')!r}, this run uses "
@@ -289,6 +285,8 @@ class QATTrainer(Trainer):
                 len(saved["modelopt_state"]["quantizers"]),
                 checkpoint,
             )
+        if is_peft_model(self.model):
+            load_frozen_base(self.model, Path(checkpoint))
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Save as ``Trainer`` does (also every checkpoint), with ``config.json`` carrying the quantizer state
@@ -309,6 +307,8 @@ class QATTrainer(Trainer):
             output.mkdir(parents=True, exist_ok=True)  # FSDP's sharded save writes the model elsewhere
             state = {"recipe": self.quant_args.recipe, "modelopt_state": modelopt_state(model)}
             (output / STATE_FILE).write_text(json.dumps(state, indent=1))
+            if is_peft_model(model):  # peft saved the adapters only
+                save_frozen_base(model, output)
 
     def _save_gathered(self, model: torch.nn.Module, output: Path) -> None:
         """``save_model`` of an FSDP2-sharded model: a ``from_pretrained`` directory written by rank 0 from

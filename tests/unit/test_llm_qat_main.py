@@ -136,3 +136,17 @@ def test_the_gemma_recipe_distils_in_chunks_at_its_probed_rate():
     assert values["learning_rate"] == 3e-5
     assert values["distill_chunk_size"] == 512
     assert values["default_model"] == "gemma3-270m"
+
+
+@pytest.mark.parametrize("deploy", ["merged", "served"])
+def test_qad_with_lora_flags_exports_the_deployment_and_reads_it_back(setup, tmp_path, deploy):
+    extra = ("--recipe", "NVFP4_DEFAULT_CFG", "--teacher_model", "same", "--lora", "true", "--lora_r", "4")
+    results = _main().main(_args(setup, tmp_path, *extra, "--lora_deploy", deploy))
+    assert results["lora"]["deploy"] == deploy
+    assert 0 < results["lora"]["trainable_parameters"] < 20_000  # the adapters, not the model's weights
+    assert results["kl_after"] != results["kl_ptq"], results  # the adapters trained
+    served = (tmp_path / "export" / "adapter_config.json").is_file()
+    assert served == (deploy == "served")
+    assert (tmp_path / "export" / ("base_model" if served else "") / "hf_quant_config.json").is_file()
+    # the reload is scored like the trained model (weights quantized, activations dense: close to "after")
+    assert abs(results["ppl_exported_weights"] - results["ppl_after"]) < 0.2 * results["ppl_after"]

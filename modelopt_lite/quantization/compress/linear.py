@@ -103,7 +103,14 @@ class CompressedLinear(_KeepsPackedDtypes):
             weight = self.weight_quantizer(weight)
         return weight.to(self._weight_dtype)
 
-    def quantized_weight(self) -> torch.Tensor:
+    def quantized_weight(self, delta: torch.Tensor | None = None) -> torch.Tensor:
+        if delta is not None:
+            raise UnsupportedFeatureError(
+                f"{self.weight_quantizer.name}: the layer is compressed (real {self.quant_algo} weights), so "
+                "a LoRA adapter cannot be merged into it: train it as a served adapter "
+                "(mtq.add_lora(..., deploy='served')), or merge on the fake-quantized model before "
+                "mtq.compress"
+            )
         return self._from_view(self._weight_view())
 
     def parameter_shape(self) -> list[int]:
@@ -264,6 +271,7 @@ def _kernel_fits(module: QuantLinear, algo: str, int8_gemm: bool | None) -> bool
     fits = (
         algo in KERNELS
         and cls.forward is QuantLinear.forward
+        and cls.forward_with_delta is QuantLinear.forward_with_delta  # Conv1D overrides this one
         and iq.attributes.rotation() is None
         and iq.bias_calibrator is None
     )

@@ -19,7 +19,8 @@ computes with them in one of two ways:
   maps it back exactly onto the fake-quantized value.
 
 The input quantizer (activation fake quant, ``pre_quant_scale``) stays as it was on the dequantize path.
-Fine-tuning on top of frozen compressed weights (QLoRA style) is out of scope: train before compressing.
+Fine-tuning on top of frozen compressed weights trains LoRA adapters beside them (QLoRA:
+:func:`modelopt_lite.quantization.add_lora`, served); the weights themselves train before compressing.
 
 Fused MoE experts (:class:`~modelopt_lite.moe.QuantExperts`) are compressed per projection: each expert's
 weight is packed by the same packer and the experts' tensors are stacked along a leading experts dimension

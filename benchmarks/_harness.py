@@ -637,6 +637,28 @@ def time_stats(seconds: Iterable[float]) -> dict[str, float]:
     return {"median_s": statistics.median(values), "min_s": min(values)}
 
 
+def run_modes(
+    modes: Sequence[str], repeats: int, run: Callable[[str], dict], line: Callable[[str, dict], str]
+) -> dict[str, dict]:
+    """``{mode: {"runs": [...]}}`` of ``repeats`` rounds of ``run(mode)`` (a fresh child per call), the modes
+    interleaved so that drift hits every mode alike; a mode whose child fails records ``error`` /
+    ``traceback`` and is not run again. Prints ``line(mode, result)`` per run."""
+    results: dict[str, dict] = {mode: {"runs": []} for mode in modes}
+    for _ in range(repeats):
+        for mode in modes:
+            out = results[mode]
+            if "error" in out:
+                continue
+            res = run(mode)
+            if "error" in res:
+                print(f"  {mode}: failed: {res['error']}", flush=True)
+                out.update(error=res["error"], traceback=res.get("traceback"))
+                continue
+            print(line(mode, res), flush=True)
+            out["runs"].append(res)
+    return results
+
+
 def pool(results: dict[str, dict], seconds: Callable[[dict], Iterable[float]], **medians: Callable) -> None:
     """Summarize each entry of ``results`` that did not fail (``{"runs": [...]}``, no ``error``): the
     :func:`time_stats` of ``seconds(run)`` over all its runs, ``loaded_runs`` (runs flagged ``loaded``) and,

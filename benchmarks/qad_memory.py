@@ -180,23 +180,15 @@ def main() -> None:
         f"{args.threads}; {args.steps} measured step(s) after 1 warm-up; {args.repeats} fresh process(es) "
         f"per mode; one full fp32 logits tensor = {logits_mb:.1f} MB", flush=True,
     )  # fmt: skip
-    results: dict[str, dict] = {mode: {"runs": []} for mode in MODES}
-    for _ in range(args.repeats):  # interleaved, so that drift hits every mode alike
-        for mode in MODES:
-            out = results[mode]
-            if "error" in out:
-                continue
-            res = _run_child(mode, args)
-            if "error" in res:
-                print(f"  {mode}: failed: {res['error']}", flush=True)
-                out.update(error=res["error"], traceback=res.get("traceback"))
-                continue
-            times = ", ".join(f"{t:.2f}" for t in res["times"])
-            print(
-                f"  {mode:<9}: +{res['increase_mb']:.1f} MB over {res['before_mb']:.0f} MB; {times} s/step; "
-                f"loss {res['final_loss']:.3f}; others {res['other_cores_busy']:.2f} cores", flush=True,
-            )  # fmt: skip
-            out["runs"].append(res)
+
+    def line(mode: str, res: dict) -> str:
+        times = ", ".join(f"{t:.2f}" for t in res["times"])
+        return (
+            f"  {mode:<9}: +{res['increase_mb']:.1f} MB over {res['before_mb']:.0f} MB; {times} s/step; "
+            f"loss {res['final_loss']:.3f}; others {res['other_cores_busy']:.2f} cores"
+        )
+
+    results = h.run_modes(MODES, args.repeats, lambda mode: _run_child(mode, args), line)
     h.pool(
         results,
         lambda r: r["times"],

@@ -101,3 +101,30 @@ def test_the_learning_rate_probe_trains_each_qad_row_at_each_rate(monkeypatch) -
     for lr in (None, *args.qad_lrs):
         accuracy._train("qad", student, base, batches(n=2), None, args, 2, 0, lr=lr)
     assert seen == [args.lr, 3e-5, 1e-3]
+
+
+def test_lora_rows_name_their_rank_deployment_and_base() -> None:
+    assert accuracy.lora_of("qad nvfp4_nokv +lora32") == (32, "merged", False)
+    assert accuracy.lora_of("qad nvfp4_nokv +lora32s") == (32, "served", False)
+    assert accuracy.lora_of("qad int4 +qlora32") == (32, "served", True)
+    assert accuracy.lora_of("qad int4 +la") is None
+    for rank in (8, 32, 128):
+        assert accuracy.TRAIN_ROWS[f"qad nvfp4_nokv +lora{rank}"] == ("qad", "nvfp4_nokv", False)
+
+
+def test_a_qlora_row_trains_adapters_on_the_compressed_base(monkeypatch) -> None:
+    pytest.importorskip("torchao")
+    seen = {}
+    monkeypatch.setattr(accuracy, "run_training", lambda trainer: seen.setdefault("trainer", trainer))
+    student = accuracy.ptq_model("int4", tiny_llama(), batches(n=1))
+    args = accuracy.parse_args(["--models", "smollm2-135m", "--ptq", "int4", "--rows", "qad int4 +qlora32"])
+    accuracy._train("qad", student, tiny_llama(), [], None, args, 2, 0, lora=(32, "served", True))
+    model = seen["trainer"].model
+    from modelopt_lite.nn.lora import lora_deploy
+    from modelopt_lite.quantization.compress import compressed_layers
+
+    assert lora_deploy(model) == "served"
+    assert compressed_layers(model)
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == {
+        n for n, p in model.named_parameters() if "lora_" in n
+    }

@@ -302,7 +302,31 @@ def auto_quantize_ranks(kind: str, out: Path, rank: int) -> None:
     (out / f"auto_quantize_{rank}.json").write_text(json.dumps(states))
 
 
+def lora_ddp(kind: str, out: Path, rank: int) -> None:
+    """QATTrainer with LoRA adapters (merged) under torchrun (accelerate: DDP on CPU)."""
+    from peft import LoraConfig
+
+    from modelopt_lite.training import QATTrainer, QuantizationArguments
+    from tests.unit._training import CountingData, cpu_args, step_losses
+
+    trainer = QATTrainer(
+        model=MODELS[kind](),
+        args=cpu_args(out / "run", max_steps=3, per_device_train_batch_size=2, learning_rate=1e-2),
+        train_dataset=CountingData(),
+        quant_args=QuantizationArguments(recipe="NVFP4_DEFAULT_CFG", calib_size=8),
+        lora_config=LoraConfig(r=4, lora_alpha=4, target_modules=["q_proj", "v_proj", "up_proj"]),
+    )
+    trainer.train()
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    save_file(
+        {k: v.contiguous() for k, v in model.state_dict().items()}, str(out / f"lora_{rank}.safetensors")
+    )
+    result = {"losses": step_losses(trainer), "type": str(trainer.accelerator.distributed_type)}
+    (out / f"lora_{rank}.json").write_text(json.dumps(result))
+
+
 SCENARIOS = {
+    "lora_ddp": lora_ddp,
     "auto_quantize": auto_quantize_ranks,
     "qat_not_distributed": qat_not_distributed,
     "calibrate": calibrate_sharded,

@@ -149,6 +149,22 @@ def test_qat_trainer_under_ddp_calibrates_on_shares_and_warns_about_dropped_fsdp
     )
 
 
+def test_lora_adapters_train_under_ddp_with_identical_replicas(tmp_path):
+    _torchrun("lora_ddp", "llama", tmp_path)
+    fresh = MODELS["llama"]().state_dict()
+    results = [json.loads((tmp_path / f"lora_{r}.json").read_text()) for r in (0, 1)]
+    assert all("MULTI_CPU" in r["type"] and len(r["losses"]) == 3 for r in results), results
+    trained = [load_file(str(tmp_path / f"lora_{r}.safetensors")) for r in (0, 1)]
+    assert all(torch.equal(trained[0][k], trained[1][k]) for k in trained[0]), "replicas differ"
+    lora_b = [k for k in trained[0] if "lora_B" in k]
+    assert lora_b
+    assert all(trained[0][k].abs().sum() > 0 for k in lora_b), "the adapters trained"
+    for key, value in trained[0].items():  # the base weights are frozen
+        plain = key.replace("base_model.model.", "", 1).replace(".base_layer", "")
+        if plain in fresh:
+            assert torch.equal(value, fresh[plain]), key
+
+
 @pytest.mark.slow
 def test_qat_under_fsdp2_resumes_exactly(tmp_path):
     _torchrun("qat_fsdp2", "6", tmp_path / "full")

@@ -20,7 +20,9 @@ calibration) and trains ``1 + --steps`` optimizer steps (AdamW, lr 1e-4, no savi
 * ``full_float``: ``transformers.Trainer`` on every weight of the float model (the plain fine-tune).
 
 The QAD modes compute the loss in chunks of 512 tokens (``distill_chunk_size``), so the full-vocabulary
-logits of the batch never exist at once in any mode but the plain fine-tunes'.
+logits of the batch never exist at once in any mode but the plain fine-tunes'. ``--gradient-checkpointing``
+turns on ``TrainingArguments(gradient_checkpointing=True)`` in every mode (activations recomputed in
+backward).
 
 The weights are copied out of the checkpoint's memory mapping after loading: a tensor that ``from_pretrained``
 reads from a safetensors file shares the file's mapping, whose pages, once touched (by calibration), stay
@@ -107,6 +109,9 @@ def _child(mode: str, args) -> dict:
     probe = Probe()
     with tempfile.TemporaryDirectory(prefix="lora_memory_") as out:
         train_args = h.cpu_training_args(out, 1 + args.steps, args.batch, 1e-4)
+        if args.gradient_checkpointing:  # every mode recomputes its blocks' activations in backward
+            train_args.gradient_checkpointing = True
+            train_args.gradient_checkpointing_kwargs = {"use_reentrant": False}
         common = dict(args=train_args, train_dataset=data, callbacks=[probe])
         if teacher is None:
             if lora_config is not None:
@@ -158,6 +163,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--steps", type=int, default=3, help="measured optimizer steps after 1 warm-up")
+    parser.add_argument(
+        "--gradient-checkpointing", action="store_true", help="TrainingArguments(gradient_checkpointing=True)"
+    )
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated from {MODES}")
     h.load_flags(parser, max_wait=60, mmap_threshold="the children")
     h.hidden(parser, child=MODES)
@@ -174,6 +182,7 @@ def main() -> None:
         "--model", args.model, "--recipe", args.recipe, "--dtype", args.dtype, "--rank", str(args.rank),
         "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
         "--threads", str(args.threads),
+        *(["--gradient-checkpointing"] if args.gradient_checkpointing else []),
     ]  # fmt: skip
     print(
         f"{args.model} {args.dtype}, {args.recipe}, LoRA rank {args.rank}, batch {args.batch}x{args.seq}; "
@@ -214,9 +223,8 @@ def main() -> None:
             f"{' | '.join(cells)} | {h.fmt_median_min(m, '.2f')}{flag} | {' | '.join(steps)} |"
         )
     h.print_failures(results.items())
-    meta = {
-        k: getattr(args, k) for k in ("model", "recipe", "dtype", "rank", "batch", "seq", "steps", "threads")
-    }
+    keys = ("model", "recipe", "dtype", "rank", "batch", "seq", "steps", "threads", "gradient_checkpointing")
+    meta = {k: getattr(args, k) for k in keys}
     h.write_json(
         args.json, {**meta, "mmap_threshold": args.mmap_threshold, "ratios": ratios, "results": results}
     )

@@ -151,8 +151,44 @@ class QuantLinear(QuantModule):
     def forward_with_delta(self, x: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
         """The forward with ``delta`` added to the weight before its quantizer (see :meth:`quantized_weight`):
         how a LoRA adapter deployed merged trains (:mod:`modelopt_lite.nn.lora`)."""
-        out = F.linear(self.input_quantizer(x), self.quantized_weight(delta), self.bias)
+        xq = self.input_quantizer(x)
+        if delta is None and self._weight_is_frozen():
+            out = _FrozenWeightLinear.apply(xq, self.bias, self)
+        else:
+            out = F.linear(xq, self.quantized_weight(delta), self.bias)
         return self._plus_lowrank(x, self.output_quantizer(out))
+
+    def _weight_is_frozen(self) -> bool:
+        """Whether a forward that builds a graph can recompute ``Q_w(W)`` in backward instead of keeping it:
+        the weight and the weight quantizer's parameters take no gradient (a LoRA / QLoRA base), outside
+        ``torch.distributed`` (sharded weights are only whole inside their window)."""
+        if not torch.is_grad_enabled() or self.weight is None or self.weight.requires_grad:
+            return False
+        if any(p.requires_grad for p in self.weight_quantizer.parameters()):
+            return False
+        return not (torch.distributed.is_available() and torch.distributed.is_initialized())
+
+
+class _FrozenWeightLinear(torch.autograd.Function):
+    """``F.linear(x, layer.quantized_weight(), bias)`` for a layer whose weight takes no gradient. Autograd
+    would keep the quantized (or, compressed, dequantized) weight of every layer alive from forward to
+    backward, a whole full-precision copy of the frozen model; this recomputes it in backward instead
+    (the same tensor, bit for bit: the weight does not change in between)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, bias: torch.Tensor | None, layer: QuantLinear) -> torch.Tensor:
+        ctx.layer = layer
+        return F.linear(x, layer.quantized_weight(), bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+        grad_x = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            with torch.no_grad():
+                grad_x = grad.matmul(ctx.layer.quantized_weight().to(grad.dtype))
+        if ctx.needs_input_grad[1]:
+            grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0)
+        return grad_x, grad_bias, None
 
 
 @QUANT_MODULES.register(Conv1D)

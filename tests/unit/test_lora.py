@@ -297,3 +297,41 @@ def test_an_adapter_on_an_unquantized_layer_is_named(lib_caplog):
     model = _quantize(tiny_llama())
     mtq.add_lora(model, LoraConfig(r=4, target_modules=["q_proj", "lm_head"]))
     assert any("lm_head" in r.getMessage() and "unquantized" in r.getMessage() for r in lib_caplog.records)
+
+
+def _saved_bytes_and_grads(model):
+    """Bytes autograd keeps from forward to backward, and the adapters' gradients after backward."""
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    model.zero_grad()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(input_ids=IDS).logits.square().mean()
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return sum(saved), grads
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_a_frozen_base_recomputes_its_quantized_weight_in_backward(monkeypatch, compressed):
+    if compressed:
+        pytest.importorskip("torchao")
+    model = _quantize(tiny_llama(), mtq.INT4_BLOCKWISE_WEIGHT_ONLY_CFG)
+    if compressed:
+        mtq.compress(model)
+    model = _nonzero_b(mtq.add_lora(model, _config(), deploy="served"))
+    weights = sum(
+        m.quantized_weight().numel() * 4
+        for m in model.modules()
+        if isinstance(m, QuantLinear) and m.weight_quantizer.is_enabled
+    )
+    on_bytes, on_grads = _saved_bytes_and_grads(model)
+    monkeypatch.setattr(QuantLinear, "_weight_is_frozen", lambda self: False)
+    off_bytes, off_grads = _saved_bytes_and_grads(model)
+    assert on_grads.keys() == off_grads.keys()
+    assert on_grads
+    assert all(torch.equal(on_grads[k], off_grads[k]) for k in on_grads), "the same gradients, bit for bit"
+    assert off_bytes - on_bytes >= weights, (off_bytes, on_bytes, weights)

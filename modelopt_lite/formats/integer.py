@@ -1,4 +1,4 @@
-"""Integer fake quantization (INT-k, k = 2..8), docs/numerics.md "Integer, k bits"."""
+"""Integer fake quantization (INT-k, k = 2..16), docs/numerics.md "Integer, k bits"."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import torch
 from .rounding import TINY_AMAX
 
 __all__ = [
+    "INT_BITS",
     "check_unsigned",
     "int_apply",
     "int_bounds",
@@ -16,9 +17,17 @@ __all__ = [
 ]
 
 
+#: The integer widths fake quantization computes exactly (in float32 every grid point up to 2**15 is exact).
+#: Checkpoints store 4 and 8 bits; other widths are for fake quant and research.
+INT_BITS = range(2, 17)
+
+
 def validate_int_bits(num_bits: object) -> int:
-    if isinstance(num_bits, bool) or not isinstance(num_bits, int) or not 2 <= num_bits <= 8:
-        raise ValueError(f"num_bits={num_bits!r} is not a supported integer width (allowed: 2..8)")
+    if isinstance(num_bits, bool) or not isinstance(num_bits, int) or num_bits not in INT_BITS:
+        raise ValueError(
+            f"num_bits={num_bits!r} is not a supported integer width (allowed: "
+            f"{INT_BITS.start}..{INT_BITS.stop - 1})"
+        )
     return num_bits
 
 

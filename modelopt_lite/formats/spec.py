@@ -6,7 +6,7 @@ Recognised combinations (anything else raises, naming the attribute and the allo
 =====================  ==============================================  =====================================
 format                 num_bits / block_sizes                          amax
 =====================  ==============================================  =====================================
-INT-k                  ``k`` in 2..8; no blocks, ``axis`` None or int    calibrated, per tensor / per channel
+INT-k                  ``k`` in 2..16; no blocks, ``axis`` None or int   calibrated, per tensor / per channel
 INT-k per block        ``k``; ``{-1: 128}`` (``type`` static)            calibrated, ``(num_blocks, 1)``
 INT-k / FP8 dynamic    ``{-1: None, "type": "dynamic"}`` (per token)     from the input, per block
 INT-k / FP8 dynamic    ``type="dynamic"``, ``axis`` None or int / tuple   from the input, per tensor / per
@@ -42,6 +42,14 @@ _MX_NAMES = {(4, 3): "mxfp8", (5, 2): "mxfp8_e5m2", (3, 2): "mxfp6_e3m2", (2, 3)
 _MX_NAMES.update({(2, 1): "mxfp4", 8: "mxint8"})
 
 
+_FP4_HINT = (
+    ". (The reference accepts FP4 E2M1 without scale_bits in a config and then raises NotImplementedError "
+    "'Only support E=4 & M=3' at its first forward: FP4 needs the block scales of NVFP4, block_sizes="
+    "{-1: 16, 'type': 'dynamic', 'scale_bits': (4, 3)}, or MXFP4, {-1: 32, 'type': 'dynamic', "
+    "'scale_bits': (8, 0)})"
+)
+
+
 def _as_bits(num_bits: Any) -> int | tuple[int, int]:
     if isinstance(num_bits, (list, tuple)):
         if len(num_bits) != 2 or not all(isinstance(b, int) for b in num_bits):
@@ -50,7 +58,7 @@ def _as_bits(num_bits: Any) -> int | tuple[int, int]:
             )
         return (int(num_bits[0]), int(num_bits[1]))
     if isinstance(num_bits, bool) or not isinstance(num_bits, int):
-        raise ValueError(f"num_bits={num_bits!r}: expected an int 2..8 or an (exp, man) pair")
+        raise ValueError(f"num_bits={num_bits!r}: expected an int 2..16 or an (exp, man) pair")
     return num_bits
 
 
@@ -178,8 +186,8 @@ def resolve_format(
             _reject_int_flags(unsigned, narrow_range, bits)
             return FormatSpec("fp8", bits, axis, (), dynamic)
         raise ValueError(
-            f"num_bits={num_bits!r} without block_sizes: allowed 2..8 (INT), (4, 3) or (5, 2) (FP8); "
-            "NVFP4 and MX formats need block_sizes with scale_bits"
+            f"num_bits={num_bits!r} without block_sizes: allowed 2..16 (INT), (4, 3) or (5, 2) (FP8); "
+            "NVFP4 and MX formats need block_sizes with scale_bits" + _FP4_HINT * (bits == (2, 1))
         )
     axes, meta = _check_block_sizes(block_sizes)
     dynamic = meta.get("type", quant_type) == "dynamic"
@@ -202,8 +210,10 @@ def resolve_format(
             _reject_int_flags(unsigned, narrow_range, bits)
             return FormatSpec("fp8", bits, None, block_axes, dynamic)
         raise ValueError(
-            f"num_bits={num_bits!r} with block_sizes but no scale_bits: allowed 2..8, (4, 3), (5, 2); "
+            f"num_bits={num_bits!r} with block_sizes but no scale_bits: allowed 2..16, (4, 3), (5, 2); "
             "add block_sizes['scale_bits'] = (4, 3) for NVFP4 or (8, 0) for MX formats"
+            + _FP4_HINT
+            * (bits == (2, 1))
         )
     _reject_int_flags(unsigned, narrow_range, bits)
     last_axis_only = list(axes) == [-1]

@@ -207,10 +207,10 @@ class QuantExperts(QuantModule):
     def fold_weight(self) -> None:
         for proj in self._projections:
             quantizers = getattr(self, f"{proj}_weight_quantizers")
-            if any(q.is_enabled for q in quantizers):
+            if any(q.transforms_input for q in quantizers):
                 getattr(self, proj).copy_(self.quantized_weight(proj))
                 for q in quantizers:
-                    q.disable()
+                    q.mark_folded()
 
     #: ``fn(projection, expert, rows)``: when set, each forward shows it every expert's input rows of
     #: both projections (what the grouped GEMM computes, split by the cumulative offsets). Calibration

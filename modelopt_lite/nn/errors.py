@@ -1,8 +1,9 @@
-"""The error raised by a feature of the reference library that this library deliberately leaves out."""
+"""The errors whose types follow the reference library's: a feature it has that this library deliberately
+leaves out, and a value it refuses with an ``assert``."""
 
 from __future__ import annotations
 
-__all__ = ["UnsupportedFeatureError", "unsupported_class"]
+__all__ = ["InvalidValueError", "UnsupportedFeatureError", "unsupported_class"]
 
 
 class UnsupportedFeatureError(NotImplementedError, ValueError):
@@ -10,6 +11,11 @@ class UnsupportedFeatureError(NotImplementedError, ValueError):
 
     It is a ``NotImplementedError`` (what it is) and a ``ValueError`` (what a bad attribute or option value
     raises, so existing ``except ValueError`` handlers and pydantic validation still catch it)."""
+
+
+class InvalidValueError(ValueError, AssertionError):
+    """A bad value that the reference refuses with an ``assert`` (an ``AssertionError``): a ``ValueError``
+    here, as every bad value is, and an ``AssertionError`` so that its users' handlers still catch it."""
 
 
 def unsupported_class(name: str, instead: str, module: str) -> type:

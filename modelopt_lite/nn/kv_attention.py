@@ -5,8 +5,10 @@ mask, ...)`` on the keys and values after RoPE, which is what a KV cache stores.
 functions under our own names, ``modelopt_lite_sdpa`` and ``modelopt_lite_eager``, each with the mask function
 of the implementation it wraps (transformers' documented seam for custom attention). They apply the
 attention module's ``q_bmm_quantizer`` / ``k_bmm_quantizer`` / ``v_bmm_quantizer`` to the query, keys and
-values and call the wrapped implementation unchanged. ``q_bmm_quantizer`` (Model-Optimizer's name, for FP8
-attention) is disabled unless a config enables it.
+values and call the wrapped implementation unchanged. As in the reference, the three start enabled with the
+default attributes (8 bits per tensor, calibrated): a config that does not disable them quantizes them.
+``q_bmm_quantizer`` (the query, for FP8 attention) is fake quant only: the checkpoint format has no scale
+for it.
 
 ``p_bmm_quantizer`` (also disabled until a config enables it) quantizes the attention probabilities: the
 softmax output, before the dropout and the product with the values. SDPA computes them inside its kernel, so
@@ -145,13 +147,12 @@ AttentionMaskInterface.register(KV_ATTENTION_IMPLEMENTATIONS["eager"], eager_mas
 
 
 class QuantAttention(QuantModule):
-    """Adds ``k_bmm_quantizer`` and ``v_bmm_quantizer`` (per tensor by default, like every quantizer),
-    ``q_bmm_quantizer`` and ``p_bmm_quantizer`` (the softmax probabilities); the last two are disabled until a
-    config enables them."""
+    """Adds ``q_bmm_quantizer``, ``k_bmm_quantizer`` and ``v_bmm_quantizer`` (8 bits per tensor by default,
+    like every quantizer, and enabled, as in the reference) and ``p_bmm_quantizer`` (the softmax
+    probabilities), disabled until a config enables it (enabled, it runs the eager attention)."""
 
     def _setup(self) -> None:
         self.q_bmm_quantizer = TensorQuantizer("q_bmm_quantizer")
-        self.q_bmm_quantizer.disable()
         self.k_bmm_quantizer = TensorQuantizer("k_bmm_quantizer")
         self.v_bmm_quantizer = TensorQuantizer("v_bmm_quantizer")
         self.p_bmm_quantizer = TensorQuantizer("p_bmm_quantizer")

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from .quant_module import QUANT_MODULES, Quantizer, QuantModule
+from .quant_module import QUANT_MODULES, REPLACED_FORWARD, Quantizer, QuantModule
 from .quantizer.attribute_dict import quantizer_attributes
 from .quantizer.attributes import QuantizerAttributes
 from .quantizer.tensor_quantizer import TensorQuantizer
@@ -132,9 +132,12 @@ class QuantLinear(QuantModule):
 
     @torch.no_grad()
     def fold_weight(self) -> None:
-        if self.weight_quantizer.is_enabled and self.weight is not None:
+        """Write ``Q_w(W)`` into the weight: also when the weight quantizer is disabled but still scales
+        (``pre_quant_scale``) or rotates the weight, as the reference folds it; then the quantizer does
+        none of these any more."""
+        if self.weight_quantizer.transforms_input and self.weight is not None:
             self.weight.copy_(self.quantized_weight())
-            self.weight_quantizer.disable()
+            self.weight_quantizer.mark_folded()
 
     def _plus_lowrank(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out + (x s) A^T B^T`` when the layer has a low-rank branch (see the module docstring)."""
@@ -145,8 +148,29 @@ class QuantLinear(QuantModule):
         x = x if scale is None else x * scale.to(x.dtype)
         return out + F.linear(F.linear(x, factors[0].to(x.dtype)), factors[1].to(x.dtype))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return self.forward_with_delta(x, None)
+    runs_replaced_forward = True
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:  # type: ignore[override]
+        replaced = self.__dict__.get(REPLACED_FORWARD)
+        if replaced is not None:
+            return self._forward_replaced(replaced, x, *args, **kwargs)
+        return self.forward_with_delta(x, None, *args, **kwargs)
+
+    def _forward_replaced(self, replaced: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        """``Q_out(replaced(Q_in(x), ...))`` with ``self.weight`` reading ``Q_w(W)`` inside ``replaced`` (a
+        forward set on the instance before conversion, see :mod:`.quant_module`). Should ``replaced`` call
+        this class's forward again, that call computes the original layer on what it is given."""
+        if "weight" in self.__dict__:  # (re-entered from inside ``replaced``)
+            return self.original_cls.forward(self, x, *args, **kwargs)
+        xq = self.input_quantizer(x)
+        self.__dict__["weight"] = self.quantized_weight()
+        try:
+            out = replaced(xq, *args, **kwargs)
+        finally:
+            del self.__dict__["weight"]
+        if isinstance(out, torch.Tensor):
+            return self._plus_lowrank(x, self.output_quantizer(out))
+        return out
 
     def forward_with_delta(self, x: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
         """The forward with ``delta`` added to the weight before its quantizer (see :meth:`quantized_weight`):

@@ -18,8 +18,12 @@ A forward replaced on the instance (accelerate's hooks for ``device_map`` and CP
 class forward they wrap in ``module._old_forward``) would keep calling the original class's forward after
 the class swap and bypass the quantizers. :meth:`QuantModuleRegistry.convert` therefore re-binds such a
 bound forward (``_old_forward``, or ``forward`` itself) to the quantized class, and :meth:`revert` binds it
-back; :func:`replaced_forward` names the instance forwards it cannot re-bind. Hooks added after the
-conversion wrap the quantized forward and need nothing.
+back. Any other forward set on the instance before the conversion (a closure, a runtime patch) is, for
+wrappers that declare ``runs_replaced_forward`` (the linear layers), moved to the attribute
+``REPLACED_FORWARD``: the quantized forward quantizes the input, then calls it with the weight read as its
+fake-quantized value, as the reference library does; :meth:`revert` puts it back. :func:`replaced_forward`
+names the instance forwards still left in place (other wrappers, or set after the conversion). Hooks added
+after the conversion wrap the quantized forward and need nothing.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from .quantizer.tensor_quantizer import TensorQuantizer
 
 __all__ = [
     "QUANT_MODULES",
+    "REPLACED_FORWARD",
     "QuantModule",
     "QuantModuleRegistry",
     "Quantizer",
@@ -47,12 +52,19 @@ logger = get_logger(__name__)
 
 Quantizer = TensorQuantizer | SequentialQuantizer
 
+#: Where :meth:`QuantModuleRegistry.convert` keeps a forward that was set on the instance before conversion
+#: (for wrappers with ``runs_replaced_forward``; their forward calls it, see the module docstring).
+REPLACED_FORWARD = "_forward_before_quant"
+
 
 class QuantModule(nn.Module):
     """Base of every wrapper. Subclasses implement ``_setup`` and, when they quantize weights,
     ``weight_quantizer_pairs`` (what each weight quantizer calibrates from) and ``fold_weight``."""
 
     original_cls: type[nn.Module]
+    #: Whether the wrapper's forward runs a forward replaced on the instance before conversion (kept as
+    #: ``REPLACED_FORWARD``) between its quantizers; wrappers that do not leave such a forward in place.
+    runs_replaced_forward: bool = False
 
     def _setup(self) -> None:
         raise NotImplementedError
@@ -226,6 +238,15 @@ class QuantModuleRegistry:
             raise KeyError(f"{cls.__qualname__} has no registered quantized class")
         module.__class__ = self.quantized_class(wrapper, cls)
         _rebind_forward(module, cls)
+        if getattr(module, "runs_replaced_forward", False) and "_hf_hook" not in module.__dict__:
+            if (what := replaced_forward(module)) is not None:
+                module.__dict__[REPLACED_FORWARD] = module.__dict__.pop("forward")
+                logger.info(
+                    "%s: its forward was replaced on the instance (%s); the quantized forward quantizes the "
+                    "input and calls it, with the weight read as its fake-quantized value",
+                    type(module).__qualname__,
+                    what,
+                )
         module._setup()
         return module
 
@@ -237,6 +258,8 @@ class QuantModuleRegistry:
             quantized = type(module)
             module.__class__ = module.original_cls
             _rebind_forward(module, quantized)
+            if (replaced := module.__dict__.pop(REPLACED_FORWARD, None)) is not None:
+                module.forward = replaced
 
     def __contains__(self, cls: type[nn.Module]) -> bool:
         return self.wrapper_for(cls) is not None

@@ -16,7 +16,7 @@ Every name users import is here; the code lives in subpackages, top to bottom (`
 from ..nn import QUANT_MODULES, QuantModule, SequentialQuantizer, TensorQuantizer, iter_quantizers
 
 # the algorithms register at import; calib, nn and tensor_quant are the reference's mtq.* modules
-from . import algorithms, calib, nn, tensor_quant  # noqa: F401
+from . import algorithms, calib, model_calib, nn, tensor_quant  # noqa: F401
 from .auto_quantize import auto_quantize, get_auto_quantize_config
 from .calibration import calibrate, check_calibrated, register_algorithm, run_forward_loop
 from .compat import (

@@ -24,7 +24,14 @@ from torch import nn
 
 from ..distributed import is_sharded
 from ..logging import get_logger
-from ..nn import QUANT_MODULES, QuantizerAttributes, QuantModule, SequentialQuantizer, TensorQuantizer
+from ..nn import (
+    QUANT_MODULES,
+    QuantizerAttributes,
+    QuantModule,
+    SequentialQuantizer,
+    TensorQuantizer,
+    iter_quantizers,
+)
 from ..nn.errors import UnsupportedFeatureError
 from .calibration.calibrate import ForwardLoop, run_forward_loop
 from .config import QuantizeConfig, quantizer_attributes
@@ -320,8 +327,10 @@ def temporarily_fold_weights(
     model: nn.Module, snapshot_device: torch.device | str | None = None
 ) -> Iterator[None]:
     """Fold the quantized weights (:func:`mtq.fold_weight`) for the duration of the block, then put back the
-    original weights (copies kept on ``snapshot_device``, default: where they are) and re-enable the weight
-    quantizers that were on. Layers without a weight (``weight`` set to ``None``) are left alone."""
+    original weights (copies kept on ``snapshot_device``, default: where they are) and the weight
+    quantizers' attributes (enabled, ``pre_quant_scale``, rotation). A disabled weight quantizer that still
+    scales or rotates its weight is folded too, as in the reference. Layers without a weight (``weight``
+    set to ``None``) are left alone."""
     if is_sharded(model):
         raise NotImplementedError(
             "temporarily_fold_weights on an FSDP2-sharded model; fold before fully_shard"
@@ -332,16 +341,14 @@ def temporarily_fold_weights(
         for m in modules
         for p in m.parameters(recurse=False)
     ]
-    enabled = [q for m in modules for q, _ in m.weight_quantizer_pairs() if q.is_enabled]
-    fold_weight(model)
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for p, value in saved:
-                p.copy_(value.to(p.device))
-        for q in enabled:
-            q.enable()
+    with preserve_quantizer_attributes_context(model):
+        fold_weight(model)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, value in saved:
+                    p.copy_(value.to(p.device))
 
 
 def replace_quant_module(model: nn.Module, version: Any = None, registry: Any = None) -> nn.Module:
@@ -354,4 +361,7 @@ def replace_quant_module(model: nn.Module, version: Any = None, registry: Any = 
             "mtq.register"
         )
     insert_quantizers(model)
+    for _, quantizer in iter_quantizers(model):
+        # as in the reference: until calibrated, each input is quantized with its own amax
+        quantizer.calibration_expected = False
     return model

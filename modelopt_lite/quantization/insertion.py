@@ -308,7 +308,7 @@ def _set(parent: nn.Module, slot: str, name: str, quantizer, attrs) -> bool:
         new = TensorQuantizer(name).set_attributes(attrs[0])
     else:
         new = SequentialQuantizer(name, attrs)
-    new.calibration_expected = True
+    new.calibration_expected = quantizer.calibration_expected  # (False after replace_quant_module)
     _replace(parent, slot, new)
     return True
 

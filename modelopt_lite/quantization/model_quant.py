@@ -212,7 +212,7 @@ def need_calibration(config: QuantizeConfig | Mapping[str, Any] | str) -> bool:
     if cfg.algorithm_name not in (None, "max"):
         return True
     default = QuantizerAttributes()
-    off = ("output_quantizer", "q_bmm_quantizer", "p_bmm_quantizer")  # disabled until a rule enables them
+    off = ("output_quantizer", "p_bmm_quantizer")  # disabled until a rule enables them
     slots = {s: (default, not s.endswith(off)) for s in _PROBE_SLOTS}
     for _, rule in cfg.ordered_rules():
         if rule.parent_class is not None:  # scoped to other module classes (BatchNorm, Embedding, ...)

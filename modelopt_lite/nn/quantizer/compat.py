@@ -1,7 +1,7 @@
 """The reference library's ``TensorQuantizer`` methods that have a direct counterpart here:
-``set_from_attribute_config``, ``step_size`` and the rotation queries (``rotate_is_enabled``, ...,
-``disable_rotate``). One implementation: each is written on :meth:`TensorQuantizer.configure` and the
-validated attributes.
+``set_from_attribute_config``, ``step_size``, the rotation queries (``rotate_is_enabled``, ...,
+``disable_rotate``) and SVDQuant's ``svdquant_lora_a`` / ``svdquant_lora_b``. One implementation: each is
+written on :meth:`TensorQuantizer.configure`, the validated attributes and the quantizer's buffers.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ...logging import get_logger
+from ..errors import InvalidValueError
 from .attribute_dict import attribute_updates
 
 if TYPE_CHECKING:
@@ -101,3 +102,46 @@ class ReferenceQuantizerMethods:
     def disable_rotate(self) -> None:
         """Stop rotating the input (idempotent); a ``rotate`` dict keeps its other settings."""
         self.configure(rotate=self._rotate_off())
+
+    # ----------------------------------------------------------------------- SVDQuant's low-rank branch
+    @property
+    def svdquant_lora_a(self) -> torch.Tensor | None:
+        """SVDQuant's ``A`` (rank, in) of a weight quantizer's low-rank branch (the buffer
+        ``_svdquant_lora_a``), or ``None``. The branch runs once both ``A`` and ``B`` are set."""
+        return self._lowrank("a")
+
+    @svdquant_lora_a.setter
+    def svdquant_lora_a(self, value: Any) -> None:
+        self._set_lowrank("a", value)
+
+    @property
+    def svdquant_lora_b(self) -> torch.Tensor | None:
+        """SVDQuant's ``B`` (out, rank), the buffer ``_svdquant_lora_b``, or ``None``."""
+        return self._lowrank("b")
+
+    @svdquant_lora_b.setter
+    def svdquant_lora_b(self, value: Any) -> None:
+        self._set_lowrank("b", value)
+
+    def _lowrank(self, which: str) -> torch.Tensor | None:
+        return self._buffers.get(f"_svdquant_lora_{which}")  # type: ignore[attr-defined]
+
+    def _set_lowrank(self, which: str, value: Any) -> None:
+        """Set (a copy of) ``value``: a new buffer, or copied into the existing one of the same shape."""
+        name = f"svdquant_lora_{which}"
+        if value is None:
+            raise InvalidValueError(
+                f"{self.name}: {name} cannot be set to None; remove the branch with delattr(quantizer, "
+                f"'_{name}') on both factors"
+            )
+        value = torch.as_tensor(value).detach()
+        current = self._lowrank(which)
+        if current is None:
+            self.register_buffer(f"_{name}", value.clone())  # type: ignore[attr-defined]
+        elif current.shape != value.shape:
+            raise RuntimeError(
+                f"{self.name}: {name} has shape {tuple(current.shape)}; setting one of shape "
+                f"{tuple(value.shape)} is not allowed (the rank and the layer's size are fixed)"
+            )
+        else:
+            current.copy_(value.to(current.device, current.dtype))

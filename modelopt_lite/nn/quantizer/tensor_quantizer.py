@@ -190,6 +190,18 @@ class TensorQuantizer(ReferenceQuantizerMethods, QuantizerCalibration, Quantizer
     def is_enabled(self) -> bool:
         return self._attrs.enable
 
+    @property
+    def transforms_input(self) -> bool:
+        """Whether this quantizer changes its input: it quantizes, or (enabled or not) it applies a
+        ``pre_quant_scale`` or a rotation. What folding it into a weight must bake in."""
+        return self._attrs.enable or self._pre_quant_scale is not None or self._rotation is not None
+
+    def mark_folded(self) -> None:
+        """After its output was written into the weight (:func:`mtq.fold_weight`): quantize no more, and
+        apply neither the ``pre_quant_scale`` nor the rotation again (both are in the folded weight)."""
+        self.configure(enable=False, rotate=self._rotate_off())
+        self.pre_quant_scale = None
+
     def enable_quant(self) -> None:
         self._quant_enabled = True
 

@@ -28,7 +28,7 @@ from ..calibration.calibrate import ForwardLoop, register_algorithm, require_dat
 from ..calibration.max_calib import calibration_mode, max_calibrate, weight_quantizers
 from ..calibration.search import block_weighted_error
 from ..calibration.targets import capture, linear_targets
-from .mse import ErrorMeasure, search_options, search_weight_amax
+from .mse import ErrorMeasure, search_options, search_weight_amax, sync_options
 
 __all__ = ["hessian_error", "local_hessian_calibrate"]
 
@@ -51,6 +51,7 @@ def hessian_error(hessian: torch.Tensor) -> ErrorMeasure:
 def local_hessian_calibrate(model: nn.Module, forward_loop: ForwardLoop | None, **options: Any) -> None:
     block = options.pop("block_size", 16)
     debug = options.pop("debug", False)
+    sync = sync_options(options)
     grid, sweep = search_options(
         "local_hessian", options, 0.25, 4.0, 0.1, True, extra=", block_size, debug"
     )  # the reference's defaults
@@ -59,7 +60,7 @@ def local_hessian_calibrate(model: nn.Module, forward_loop: ForwardLoop | None, 
     if not isinstance(debug, bool):
         raise TypeError(f"local_hessian: debug={debug!r} must be True or False")
     require_data("local_hessian", forward_loop)
-    max_calibrate(model, forward_loop)
+    max_calibrate(model, forward_loop, **sync)
     targets = [t for t in linear_targets(model) if isinstance(t.weight_quantizer, TensorQuantizer)]
     targets = [t for t in targets if t.weight_quantizer.is_enabled]
     weights = {id(q) for q, _ in weight_quantizers(model, gather=False)}

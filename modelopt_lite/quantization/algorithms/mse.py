@@ -26,7 +26,7 @@ from ..calibration.calibrate import ForwardLoop, register_algorithm
 from ..calibration.max_calib import max_calibrate, weight_quantizers
 from ..calibration.search import quantize_like
 
-__all__ = ["fp8_scale_candidates", "mse_calibrate", "search_options", "search_weight_amax"]
+__all__ = ["fp8_scale_candidates", "mse_calibrate", "search_options", "search_weight_amax", "sync_options"]
 
 logger = get_logger(__name__)
 
@@ -54,10 +54,17 @@ def search_options(
     return torch.linspace(start, stop, math.ceil((stop - start) / step) + 1).tolist(), sweep
 
 
+def sync_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The options of the search algorithms that go to their max calibration (popped from ``options``):
+    ``distributed_sync`` and ``shared_states``, as in the reference's ``MseCalibConfig``."""
+    return {k: options.pop(k) for k in ("distributed_sync", "shared_states") if k in options}
+
+
 @register_algorithm("mse")
 def mse_calibrate(model: nn.Module, forward_loop: ForwardLoop | None, **options: Any) -> None:
+    sync = sync_options(options)
     grid, sweep = search_options("mse", options, 0.5, 1.0, 0.05, False)
-    max_calibrate(model, forward_loop)
+    max_calibrate(model, forward_loop, **sync)
     search_weight_amax(model, grid, sweep, "mse")
 
 

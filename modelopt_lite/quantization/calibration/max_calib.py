@@ -10,19 +10,20 @@ amax of the other experts of their layer, with a WARNING (or raise, with the alg
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
 
-from ...distributed import all_ranks_succeed, weight_access
+from ...distributed import all_ranks_succeed, is_distributed, weight_access
 from ...logging import get_logger
 from ...moe import expert_containers, record_amax_fills, reset_coverage
 from ...moe.sequential import split_expert_name
 from ...nn import QuantModule, SequentialQuantizer, TensorQuantizer, iter_quantizers
 from ...nn.calibrators import sync_calibrators
+from ...nn.errors import UnsupportedFeatureError
 from ...nn.quant_module import replaced_forward
 from .calibrate import ForwardLoop, _stages, register_algorithm, run_forward_loop
 from .idle_experts import IdleExperts, fill_from_other_experts
@@ -54,9 +55,41 @@ def weight_quantizers(
 
 
 @register_algorithm("max")
-def max_calibrate(model: nn.Module, forward_loop: ForwardLoop | None, **options: Any) -> None:
+def max_calibrate(
+    model: nn.Module,
+    forward_loop: ForwardLoop | None = None,
+    distributed_sync: bool | None = True,
+    sync_expert_weight_amax: bool = False,
+    shared_states: Mapping[str, Any] | None = None,
+    skip_forward_without_activation_calib: bool = False,
+    **options: Any,
+) -> None:
+    """Max calibration (the module docstring), with the reference's signature and options:
+
+    * ``distributed_sync`` (default ``True``): merge the activation statistics of every rank, so that all
+      ranks hold the same amax. ``False`` keeps each rank's own (a WARNING says so in a multi-process run;
+      the ranks' quantizers then differ).
+    * ``skip_forward_without_activation_calib``: accepted; ``forward_loop`` runs only when an activation
+      quantizer needs data, whatever its value (weights are calibrated from the weights).
+    * ``sync_expert_weight_amax=True`` (one weight amax for all the experts of a Megatron ``SequentialMLP``)
+      and ``shared_states`` (the reference's shared NVFP4 global amax of q/k/v, gate/up, which the export
+      here unifies itself) raise :class:`UnsupportedFeatureError`.
+    """
     if options:
-        raise ValueError(f"max calibration takes no options, got {sorted(options)}")
+        raise ValueError(
+            f"max calibration: unknown option(s) {sorted(options)} (allowed: distributed_sync, "
+            "sync_expert_weight_amax, shared_states, skip_forward_without_activation_calib)"
+        )
+    if sync_expert_weight_amax:
+        raise UnsupportedFeatureError(
+            "max calibration: sync_expert_weight_amax=True (one weight amax shared by a Megatron "
+            "SequentialMLP's experts) is not supported; each expert keeps its own weight quantizer and amax"
+        )
+    if shared_states:
+        raise UnsupportedFeatureError(
+            f"max calibration: shared_states={dict(shared_states)!r} is not supported; the export gives "
+            "q/k/v and gate/up one NVFP4 global amax (weight_scale_2) by itself"
+        )
     activations = activation_quantizers(model)
     if activations:
         if forward_loop is None:
@@ -65,7 +98,7 @@ def max_calibrate(model: nn.Module, forward_loop: ForwardLoop | None, **options:
                 f"{len(activations)} activation quantizer(s) need calibration data (e.g. {names}); pass a "
                 "forward_loop (a function of the model, or an iterable of batches)"
             )
-        _collect_activations(model, activations, forward_loop)
+        _collect_activations(model, activations, forward_loop, sync=distributed_sync is not False)
     logger.info(
         "max calibration: %d activation quantizer(s) from data, weight quantizers from the weights",
         len(activations),
@@ -121,20 +154,27 @@ def calibration_mode(model: nn.Module, collect: list[TensorQuantizer] = ()) -> I
 
 
 def _collect_activations(
-    model: nn.Module, activations: list[TensorQuantizer], forward_loop: ForwardLoop
+    model: nn.Module, activations: list[TensorQuantizer], forward_loop: ForwardLoop, sync: bool = True
 ) -> None:
     with calibration_mode(model, activations):
         reset_coverage(model)
         with all_ranks_succeed("calibration forward_loop"):
             run_forward_loop(model, forward_loop, desc="calibration")
-        load_activations(model, activations)
+        load_activations(model, activations, sync=sync)
 
 
-def load_activations(model: nn.Module, activations: list[TensorQuantizer]) -> None:
-    """After a calibration pass: merge the ranks' statistics, raise naming the quantizers that saw no data
-    (but those of MoE experts that the other experts of their layer stand in for, see
-    :mod:`.idle_experts`), and load every one's ``amax``."""
-    sync_calibrators({q.name: q.calibrator for q in activations})
+def load_activations(model: nn.Module, activations: list[TensorQuantizer], sync: bool = True) -> None:
+    """After a calibration pass: merge the ranks' statistics (unless ``sync`` is false), raise naming the
+    quantizers that saw no data (but those of MoE experts that the other experts of their layer stand in
+    for, see :mod:`.idle_experts`), and load every one's ``amax``."""
+    if sync:
+        sync_calibrators({q.name: q.calibrator for q in activations})
+    elif is_distributed():
+        logger.warning(
+            "max calibration with distributed_sync=False: each rank keeps the amax of its own data, so the "
+            "ranks' %d activation quantizer(s) differ",
+            len(activations),
+        )
     idle = IdleExperts(model, activations)
     if idle.empty:
         empty = idle.empty

@@ -77,7 +77,7 @@ def test_dict_form_default_is_the_fallback_wherever_it_is_written():
             "unknown quantizer attribute",
         ),
         ({"quant_cfg": [{"quantizer_name": "*", "cfg": {"num_bits": "8"}}]}, "num_bits"),
-        ({"quant_cfg": [{"quantizer_name": "*", "cfg": {"num_bits": 9}}]}, "num_bits"),
+        ({"quant_cfg": [{"quantizer_name": "*", "cfg": {"num_bits": 17}}]}, "num_bits"),
         ({"quant_cfg": [{"quantizer_name": "*", "enable": "yes"}]}, "enable"),
         ({"quant_cfg": [{"quantizer_name": "*"}]}, "needs 'cfg', 'enable'"),
         ({"quant_cfg": [{"quantizer_name": "*", "enable": False, "when": 1}]}, "unknown key"),

@@ -35,7 +35,7 @@ def test_quantizer_attribute_config_errors_are_pydantic_validation_errors_with_o
     assert cfg["enable"] is True
     assert cfg.attributes() == mtq.quantizer_attributes({"num_bits": (4, 3), "axis": None})
     cases = [
-        ({"num_bits": 9}, "num_bits=9 is not a supported integer width"),
+        ({"num_bits": 17}, "num_bits=17 is not a supported integer width"),
         ({"num_bit": 8}, r"unknown field\(s\) \['num_bit'\] \(allowed: \['axis'"),
         (
             {

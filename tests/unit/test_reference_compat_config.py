@@ -246,8 +246,8 @@ def test_bad_configs_raise_pydantic_validation_errors():
         mtq.QuantizeConfig.from_dict({"quant_cfg": [], "algorithm": "nope"})
     with pytest.raises(ValidationError, match="enable='yes'"):
         mtq.normalize_quant_cfg_list([{"quantizer_name": "*", "enable": "yes"}])
-    with pytest.raises(ValidationError, match="num_bits=9"):
-        mtq.QuantizeConfig(quant_cfg=[{"quantizer_name": "*", "cfg": {"num_bits": 9}}])
+    with pytest.raises(ValidationError, match="num_bits=17"):
+        mtq.QuantizeConfig(quant_cfg=[{"quantizer_name": "*", "cfg": {"num_bits": 17}}])
     with pytest.raises(mtq.UnsupportedFeatureError, match="nvfp4_act_headroom"):  # left out: named as such
         mtq.QuantizeConfig.from_dict({"quant_cfg": [], "algorithm": "nvfp4_act_headroom"})
     assert not any(isinstance(m, mtq.QuantModule) for m in model.modules())

@@ -217,8 +217,8 @@ def test_set_from_attribute_config_and_step_size():
     assert tq.is_enabled
     assert tq.axis is None
     assert tq.num_bits == (4, 3)
-    with pytest.raises(ValueError, match="num_bits=9"):
-        tq.set_from_attribute_config({"num_bits": 9})
+    with pytest.raises(ValueError, match="num_bits=17"):
+        tq.set_from_attribute_config({"num_bits": 17})
     quantizer = TensorQuantizer(QuantizerAttributeConfig(), amax=3.14)
     quantizer.amax = 0.577
     assert quantizer.step_size == 0.577 / 127.0

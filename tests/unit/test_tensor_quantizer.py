@@ -116,16 +116,16 @@ def test_attribute_assignment_revalidates_and_drops_stale_amax():
     q.num_bits = 4
     assert q.num_bits == 4
     assert q.amax is None
-    with pytest.raises(ValueError, match="w: num_bits=9"):
-        q.num_bits = 9
+    with pytest.raises(ValueError, match="w: num_bits=17"):
+        q.num_bits = 17
     assert q.num_bits == 4  # a rejected change leaves the quantizer as it was
 
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"num_bits": 9}, r"num_bits=9 .*allowed: 2\.\.8"),
-        ({"num_bits": 1}, r"num_bits=1 .*allowed: 2\.\.8"),
+        ({"num_bits": 17}, r"num_bits=17 .*allowed: 2\.\.16"),
+        ({"num_bits": 1}, r"num_bits=1 .*allowed: 2\.\.16"),
         ({"num_bits": (3, 3)}, r"num_bits=\(3, 3\).*allowed"),
         ({"num_bits": "int8"}, r"num_bits='int8'"),
         ({"num_bits": 4, "block_sizes": {-1: 0}}, r"block_sizes\[-1\]=0 must be a positive int"),

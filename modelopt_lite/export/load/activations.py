@@ -290,6 +290,7 @@ def quantize_activations(model: nn.Module, plan: dict[str, Any]) -> dict[str, in
         module = model.get_submodule(name)
         if not isinstance(module, QuantAttention):
             QUANT_MODULES.convert(module)
+            module.q_bmm_quantizer.disable()  # (the checkpoint holds no scale for the query)
         cfg = _last_cfg(KV_PRESETS[preset], ("*[kv]_bmm_quantizer",))
         for x in "kv":
             q = getattr(module, f"{x}_bmm_quantizer")

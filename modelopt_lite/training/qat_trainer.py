@@ -26,7 +26,6 @@ from typing import Any
 import torch
 from accelerate.utils import DistributedType
 from transformers import Trainer
-from transformers.trainer_utils import get_last_checkpoint
 
 from ..allocator import MallocPolicy
 from ..distributed import all_ranks_succeed, is_sharded, rank, unsharded_class, world_size
@@ -45,6 +44,7 @@ from .adapters import load_frozen_base, save_frozen_base, with_adapters
 from .arguments import QuantizationArguments
 from .calib_data import calibration_samples
 from .callbacks import _AmaxCheckCallback, _GCCallback
+from .checkpoints import CompleteCheckpointCallback, load_finished, resolve_checkpoint, trained_steps
 from .gc_policy import GCPolicy
 
 __all__ = ["QATTrainer"]
@@ -87,6 +87,7 @@ class QATTrainer(Trainer):
         self.calib_dataset = calib_dataset
         self.gc_policy = GCPolicy(self.quant_args.manual_gc, self.quant_args.gc_refreeze_every)
         self.add_callback(_GCCallback(self.gc_policy))
+        self.add_callback(CompleteCheckpointCallback())
         tuning = self.quant_args.malloc_tuning
         on = tuning == "on" or (tuning == "auto" and self.args.device.type == "cpu")
         self.malloc_policy = MallocPolicy(on, self.quant_args.malloc_mmap_threshold_mb * 2**20)
@@ -348,14 +349,12 @@ class QATTrainer(Trainer):
             self.malloc_policy.close()
 
     def _train(self, resume_from_checkpoint: str | bool | None, *args: Any, **kwargs: Any):
-        if resume_from_checkpoint is True:
-            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
-            if resume_from_checkpoint is None:
-                raise ValueError(f"no checkpoint to resume from in {self.args.output_dir}")
+        # True / "true" / "last": the newest complete checkpoint; a half-written one is never resumed from
+        resume_from_checkpoint = resolve_checkpoint(resume_from_checkpoint, self.args.output_dir)
         if resume_from_checkpoint:
-            if not os.path.isdir(resume_from_checkpoint):
-                raise ValueError(f"resume_from_checkpoint={resume_from_checkpoint!r} is not a directory")
-            self._restore_from_checkpoint(str(resume_from_checkpoint))
+            self._restore_from_checkpoint(resume_from_checkpoint)
+            if 0 < self.args.max_steps <= trained_steps(resume_from_checkpoint):
+                return load_finished(self, resume_from_checkpoint)
         else:
             self.quantize_model()
         self._check_budget()

@@ -98,10 +98,11 @@ def test_qad_distils_from_the_unquantized_model_and_resumes(setup, tmp_path):
             "--max_steps",
             "4",
             "--resume_from_checkpoint",
-            str(tmp_path / "checkpoint-2"),
+            "true",  # the last complete checkpoint, checkpoint-2
         )
     )
     assert resumed["tokens_trained"] == 4 * 4 * 16
+    assert (tmp_path / "checkpoint-4" / "modelopt_lite_complete.json").is_file()
 
 
 def test_bad_input(setup, tmp_path):

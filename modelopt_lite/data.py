@@ -28,7 +28,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["SUPPORTED_SUFFIXES", "TokenWindows", "heldout_split", "load_texts", "token_stream", "windows"]
+__all__ = [
+    "SUPPORTED_SUFFIXES",
+    "TokenWindows",
+    "check_sequence_length",
+    "heldout_split",
+    "load_texts",
+    "token_stream",
+    "windows",
+]
 
 _BUILDERS = {
     ".txt": "text",
@@ -40,6 +48,25 @@ _BUILDERS = {
 }
 SUPPORTED_SUFFIXES: tuple[str, ...] = tuple(_BUILDERS)
 _SUPPORTED = f"{', '.join(SUPPORTED_SUFFIXES)} files or a directory written by datasets' save_to_disk"
+
+
+def check_sequence_length(model: Any, input_ids: Any, where: str) -> None:
+    """Raise when ``input_ids`` (a tensor, last dimension the sequence) is longer than the positions of
+    ``model`` (``config.max_position_embeddings``, unless a ``rope_scaling`` extends them): past them a
+    learned position table fails and rotary positions compute what the model never saw."""
+    config = getattr(model, "config", None)
+    config = getattr(config, "get_text_config", lambda: config)() if config is not None else None
+    limit = getattr(config, "max_position_embeddings", None)
+    if not isinstance(limit, int) or not isinstance(input_ids, torch.Tensor) or input_ids.dim() == 0:
+        return
+    rope = getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None)
+    extended = isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) != "default"
+    if input_ids.shape[-1] > limit and not extended:
+        raise ValueError(
+            f"{where}: a sequence of {input_ids.shape[-1]} tokens is longer than the model's "
+            f"max_position_embeddings={limit}; cut the data into windows of at most {limit} tokens "
+            "(seq_len / calib_seq_len)"
+        )
 
 
 def _datasets() -> Any:

@@ -88,7 +88,13 @@ def _agree(failed: torch.Tensor, what: str, timeout: float | None) -> None:
             dist.monitored_barrier(timeout=timedelta(seconds=timeout), wait_all_ranks=True)
         except RuntimeError as err:
             raise RankFailedError(f"{what}: not every rank arrived within {timeout:g} s: {err}") from err
-    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    try:
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    except RuntimeError as err:  # (gloo: a peer's process ended, its connection closed)
+        raise RankFailedError(
+            f"{what}: rank {rank()} lost contact with another rank, which probably died (the launcher's "
+            f"summary names it): {err}"
+        ) from err
 
 
 def check_same_on_all_ranks(value: Any, what: str) -> None:

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, load_model, save_model
 from torch import nn
 
@@ -34,6 +36,18 @@ def _path(f: str | os.PathLike[str]) -> Path:
     return Path(f)
 
 
+@contextmanager
+def _reading(path: Path) -> Iterator[None]:
+    """Name the file when what it holds cannot be read (cut short by a killed writer, or damaged)."""
+    try:
+        yield
+    except (SafetensorError, json.JSONDecodeError, UnicodeDecodeError, KeyError) as err:
+        raise ValueError(
+            f"{path}: cannot be read, the file is truncated or corrupted ({type(err).__name__}: {err}); "
+            "write it again (mto.save, QATTrainer.save_model) or use another checkpoint"
+        ) from None
+
+
 def save(model: nn.Module, f: str | os.PathLike[str]) -> Path:
     """Write weights, quantizer tensors and quantizer state of ``model`` to one safetensors file at the path
     ``f`` (the reference's argument name; a file object raises, naming the alternative)."""
@@ -51,12 +65,14 @@ def load_state(path: str | Path) -> dict[str, Any]:
     if path.is_dir():
         if not (path / STATE_FILE).is_file():
             raise ValueError(f"{path} holds no {STATE_FILE} (was it saved by QATTrainer.save_model?)")
-        return json.loads((path / STATE_FILE).read_text())["modelopt_state"]
-    with safe_open(str(path), framework="pt") as f:
+        with _reading(path / STATE_FILE):
+            return json.loads((path / STATE_FILE).read_text())["modelopt_state"]
+    with _reading(path), safe_open(str(path), framework="pt") as f:
         metadata = f.metadata() or {}
     if _METADATA_KEY not in metadata:
         raise ValueError(f"{path} holds no modelopt_lite state (was it written by mto.save?)")
-    return json.loads(metadata[_METADATA_KEY])
+    with _reading(path):
+        return json.loads(metadata[_METADATA_KEY])
 
 
 def _weight_files(directory: Path) -> list[Path]:
@@ -71,11 +87,13 @@ def _weight_files(directory: Path) -> list[Path]:
 
 def _load_weights(model: nn.Module, path: Path) -> tuple[list[str], list[str]]:
     if not path.is_dir():
-        missing, unexpected = load_model(model, str(path), strict=False)
+        with _reading(path):
+            missing, unexpected = load_model(model, str(path), strict=False)
         return list(missing), list(unexpected)
     state_dict: dict[str, Any] = {}
     for file in _weight_files(path):
-        state_dict.update(load_file(str(file)))
+        with _reading(file):
+            state_dict.update(load_file(str(file)))
     result = model.load_state_dict(state_dict, strict=False)
     # a tied weight (lm_head = embeddings) is saved once, under one of its names
     groups: dict[int, list[str]] = {}

@@ -28,6 +28,7 @@ from accelerate.utils import DistributedType
 from transformers import Trainer
 
 from ..allocator import MallocPolicy
+from ..data import check_sequence_length
 from ..distributed import all_ranks_succeed, is_sharded, rank, unsharded_class, world_size
 from ..export.shards import ShardWriter
 from ..logging import get_logger
@@ -42,7 +43,7 @@ from ..quantization.config.presets import AUTO_QUANTIZE_DISABLED
 from ..quantization.lora import warn_unquantized_adapters
 from .adapters import load_frozen_base, save_frozen_base, with_adapters
 from .arguments import QuantizationArguments
-from .calib_data import calibration_samples
+from .calib_data import calibration_samples, check_training_data
 from .callbacks import _AmaxCheckCallback, _GCCallback
 from .checkpoints import CompleteCheckpointCallback, load_finished, resolve_checkpoint, trained_steps
 from .gc_policy import GCPolicy
@@ -349,6 +350,7 @@ class QATTrainer(Trainer):
             self.malloc_policy.close()
 
     def _train(self, resume_from_checkpoint: str | bool | None, *args: Any, **kwargs: Any):
+        check_training_data(self.args, self.train_dataset)
         # True / "true" / "last": the newest complete checkpoint; a half-written one is never resumed from
         resume_from_checkpoint = resolve_checkpoint(resume_from_checkpoint, self.args.output_dir)
         if resume_from_checkpoint:
@@ -357,32 +359,15 @@ class QATTrainer(Trainer):
                 return load_finished(self, resume_from_checkpoint)
         else:
             self.quantize_model()
-        self._check_budget()
         try:
             return super().train(resume_from_checkpoint, *args, **kwargs)
         finally:
             self.gc_policy.close()
 
-    def _check_budget(self) -> None:
-        """WARNING when ``max_steps`` asks for more samples than the training data holds (the loop then
-        repeats the data: recovery follows distinct tokens, not steps, once the data repeats)."""
-        args, data = self.args, self.train_dataset
-        if args.max_steps <= 0 or data is None or not hasattr(data, "__len__"):
-            return
-        per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
-        needed = args.max_steps * per_step
-        if len(data) < needed:
-            logger.warning(
-                "max_steps=%d at %d samples a step (%d per device x %d accumulation x %d process(es)) needs "
-                "%d samples; the training data holds %d: each sample is seen %.1f times. Give more distinct "
-                "data or fewer steps",
-                args.max_steps, per_step, args.per_device_train_batch_size, args.gradient_accumulation_steps,
-                args.world_size, needed, len(data), needed / max(len(data), 1),
-            )  # fmt: skip
-
-    def training_step(self, *args: Any, **kwargs: Any):
+    def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any):
+        check_sequence_length(self.model, inputs.get("input_ids"), "training data")
         self.gc_policy.before_step()
-        return super().training_step(*args, **kwargs)
+        return super().training_step(model, inputs, *args, **kwargs)
 
     def prediction_step(self, *args: Any, **kwargs: Any):
         self.gc_policy.evaluation_step()

@@ -325,7 +325,41 @@ def lora_ddp(kind: str, out: Path, rank: int) -> None:
     (out / f"lora_{rank}.json").write_text(json.dumps(result))
 
 
+def lost_rank(kind: str, out: Path, rank: int) -> None:
+    """QATTrainer under torchrun where rank 1 dies (SIGKILL, after writing the time to ``died``) in the
+    phase ``kind``: ``calibration`` (its first calibration forward) or ``training`` (after step 1)."""
+    import signal
+    import time
+
+    from transformers import TrainerCallback
+
+    from modelopt_lite.training import QATTrainer, QuantizationArguments
+    from tests.unit._training import CountingData, cpu_args
+
+    def die() -> None:
+        (out / "died").write_text(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    class DieAfterStep(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if rank == 1 and state.global_step == 1:
+                die()
+
+    model = tiny_llama()
+    if kind == "calibration" and rank == 1:
+        model.register_forward_pre_hook(lambda *_: die())
+    trainer = QATTrainer(
+        model=model,
+        args=cpu_args(out / "run", max_steps=3, per_device_train_batch_size=2),
+        train_dataset=CountingData(),
+        quant_args=QuantizationArguments(recipe="NVFP4_DEFAULT_CFG", calib_size=8),
+        callbacks=[DieAfterStep()] if kind == "training" else [],
+    )
+    trainer.train()
+
+
 SCENARIOS = {
+    "lost_rank": lost_rank,
     "lora_ddp": lora_ddp,
     "auto_quantize": auto_quantize_ranks,
     "qat_not_distributed": qat_not_distributed,

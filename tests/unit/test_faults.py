@@ -108,3 +108,101 @@ def test_resume_values_and_what_counts_as_complete(tmp_path):
         ValueError, match=r"incomplete: checkpoint-3 .*checkpoint-2 \(model.safetensors has 4"
     ):
         resolve_checkpoint(True, tmp_path)
+
+
+# ---------------------------------------------------------------- bad input, refused by name
+def _quantized():
+    import modelopt_lite.quantization as mtq
+
+    from ._models import batches, tiny_llama
+
+    model = tiny_llama()
+    mtq.quantize(model, mtq.INT8_DEFAULT_CFG, batches(1))
+    return model
+
+
+@pytest.mark.parametrize("damage", ["truncated", "corrupted"])
+def test_a_damaged_state_file_is_refused_by_name(tmp_path, damage):
+    import modelopt_lite.opt as mto
+
+    from ._models import tiny_llama
+
+    path = tmp_path / "q.safetensors"
+    mto.save(_quantized(), path)
+    data = bytearray(path.read_bytes())
+    if damage == "truncated":
+        data = data[: len(data) // 2]
+    else:
+        data[100:120] = b"x" * 20  # inside the JSON header
+    path.write_bytes(bytes(data))
+    fresh = tiny_llama()
+    with pytest.raises(
+        ValueError, match=r"q.safetensors: cannot be read, the file is truncated or corrupted"
+    ):
+        mto.restore(fresh, path)
+    assert not any(n.endswith("_quantizer") for n, _ in fresh.named_modules())  # nothing left half-restored
+
+
+def test_empty_calibration_data_and_too_long_sequences_are_refused(tmp_path):
+    import modelopt_lite.quantization as mtq
+    from modelopt_lite import QATTrainer, QuantizationArguments
+
+    from ._models import tiny_llama
+    from ._training import cpu_args
+
+    with pytest.raises(ValueError, match=r"calibration: forward_loop \(list\) yielded no batch"):
+        mtq.quantize(tiny_llama(), mtq.INT8_DEFAULT_CFG, [])
+    long = torch.randint(0, 128, (1, 65))
+    with pytest.raises(ValueError, match="65 tokens is longer than the model's max_position_embeddings=64"):
+        mtq.quantize(tiny_llama(positions=64), mtq.INT8_DEFAULT_CFG, [long])
+    data = [{"input_ids": long[0], "labels": long[0]}] * 8
+    t = QATTrainer(
+        model=tiny_llama(positions=64),
+        args=cpu_args(tmp_path, max_steps=1),
+        train_dataset=data,
+        quant_args=QuantizationArguments(recipe="INT8_WEIGHT_ONLY_CFG"),
+    )
+    with pytest.raises(ValueError, match="training data: a sequence of 65 tokens is longer"):
+        t.train()
+    t = QATTrainer(model=tiny_llama(), args=cpu_args(tmp_path, max_steps=1), train_dataset=[],
+                   quant_args=QuantizationArguments(recipe="INT8_DEFAULT_CFG"))  # fmt: skip
+    with pytest.raises(ValueError, match="train_dataset is empty"):
+        t.train()
+
+
+def test_a_full_disk_during_export_leaves_nothing_behind(tmp_path, monkeypatch):
+    import errno
+
+    import modelopt_lite.export.shards as shards
+    from modelopt_lite.export import export_hf_checkpoint
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shards, "save_file", full)
+    with pytest.raises(OSError, match="No space left on device"):
+        export_hf_checkpoint(_quantized(), tmp_path / "export")
+    assert list(tmp_path.iterdir()) == []  # no export folder, no staging folder
+
+
+# ---------------------------------------------------------------- a lost rank
+@pytest.mark.distributed
+@pytest.mark.parametrize("phase", ["calibration", "training"])
+def test_a_lost_rank_stops_the_other_within_a_minute_naming_it(tmp_path, phase):
+    import time
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    worker = Path(__file__).with_name("_dist_worker.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(worker), "lost_rank", phase, str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    ended = time.time()
+    assert proc.returncode != 0
+    died = float((tmp_path / "died").read_text())
+    assert ended - died < 60, f"the other rank took {ended - died:.1f} s to stop"
+    assert "local_rank: 1" in proc.stderr  # torchrun's summary names the lost rank
+    assert "Signal 9 (SIGKILL)" in proc.stderr
+    if phase == "calibration":  # and the survivor names the phase
+        assert (
+            "RankFailedError: calibration forward_loop: rank 0 lost contact with another rank" in proc.stderr
+        )

@@ -14,6 +14,7 @@ from modelopt_lite.nn import QuantModule
 from modelopt_lite.opt.checkpoint import STATE_FILE
 from modelopt_lite.quantization import iter_quantizers, quant_state
 from modelopt_lite.training import QATTrainer, QuantizationArguments
+from modelopt_lite.training.calib_data import check_training_data
 
 from ._models import tiny_llama
 from ._training import CountingData, StopAt, cpu_args, step_losses
@@ -146,7 +147,8 @@ def test_resume_with_another_recipe_names_the_difference(tmp_path):
 
 
 def test_resume_from_a_checkpoint_without_state_is_refused(tmp_path):
-    (tmp_path / "checkpoint-3").mkdir()
+    (tmp_path / "checkpoint-3").mkdir()  # a plain Trainer's checkpoint: complete, no quantizer state
+    (tmp_path / "checkpoint-3" / "trainer_state.json").write_text(json.dumps({"global_step": 3}))
     trainer = QATTrainer(
         model=tiny_llama(), args=cpu_args(tmp_path), train_dataset=CountingData(), quant_args=NVFP4
     )
@@ -289,7 +291,7 @@ def test_quantize_model_before_train_is_named_as_such(tmp_path, lib_caplog):
 def test_a_budget_the_data_cannot_fill_warns_with_the_numbers(tmp_path, lib_caplog):
     data = CountingData()
     args = cpu_args(tmp_path, max_steps=len(data))  # len(data) steps of per_device_train_batch_size samples
-    QATTrainer(model=tiny_llama(), args=args, train_dataset=data, quant_args=NVFP4)._check_budget()
+    check_training_data(args, data)
     warnings = [r.getMessage() for r in lib_caplog.records if r.levelname == "WARNING"]
     per_step = args.per_device_train_batch_size
     assert len(warnings) == 1
@@ -297,5 +299,5 @@ def test_a_budget_the_data_cannot_fill_warns_with_the_numbers(tmp_path, lib_capl
     assert f"holds {len(data)}" in warnings[0]
     lib_caplog.clear()
     args = cpu_args(tmp_path, max_steps=len(data) // per_step)
-    QATTrainer(model=tiny_llama(), args=args, train_dataset=data, quant_args=NVFP4)._check_budget()
+    check_training_data(args, data)
     assert not [r for r in lib_caplog.records if r.levelname == "WARNING"]

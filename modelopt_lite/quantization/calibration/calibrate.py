@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from ...data import check_sequence_length
 from ...distributed import (
     broadcast_tensors,
     check_same_on_all_ranks,
@@ -203,22 +204,33 @@ def run_forward_loop(model: nn.Module, forward_loop: ForwardLoop, desc: str = "f
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     total = len(forward_loop) if hasattr(forward_loop, "__len__") else None
     extra = _last_logit_only(model)
-    for batch in tqdm(
+    batches = tqdm(
         forward_loop,
         desc=desc,
         total=total,
         disable=get_rank() != 0 or not logger.isEnabledFor(logging.INFO),
         leave=False,
-    ):
+    )
+    fed = 0
+    for batch in batches:
+        fed += 1
         if isinstance(batch, Mapping):
             inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+            check_sequence_length(model, inputs.get("input_ids"), desc)
             model(**(inputs if "labels" in inputs else {**extra, **inputs}))
         elif isinstance(batch, (tuple, list)):
+            check_sequence_length(model, batch[0] if batch else None, desc)
             model(*[v.to(device) if isinstance(v, torch.Tensor) else v for v in batch])
         elif isinstance(batch, torch.Tensor):
+            check_sequence_length(model, batch, desc)
             model(batch.to(device), **extra)
         else:
             raise TypeError(f"cannot feed a batch of type {type(batch).__name__} to the model")
+    if fed == 0:
+        raise ValueError(
+            f"{desc}: forward_loop ({type(forward_loop).__name__}) yielded no batch; give it data (an empty "
+            "dataset or DataLoader calibrates nothing)"
+        )
 
 
 def check_calibrated(model: nn.Module) -> None:

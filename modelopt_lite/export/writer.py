@@ -358,8 +358,10 @@ def _finish(
     config = model.config.to_dict()
     config["architectures"] = config.get("architectures") or [unsharded_class(model).__name__]
     config["quantization_config"] = quantization_config(hf_cfg)
-    if dtype is not None:
-        config["dtype"] = str(dtype).removeprefix("torch.")
+    # the dtype of the unquantized tensors written (not whatever config.dtype was left at: a model that was
+    # never saved in this process has None there)
+    written = dtype or next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    config["dtype"] = str(written).removeprefix("torch.")
     (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     (tmp / "hf_quant_config.json").write_text(json.dumps(hf_cfg, indent=4) + "\n")
     generation = getattr(model, "generation_config", None)

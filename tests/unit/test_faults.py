@@ -206,3 +206,12 @@ def test_a_lost_rank_stops_the_other_within_a_minute_naming_it(tmp_path, phase):
         assert (
             "RankFailedError: calibration forward_loop: rank 0 lost contact with another rank" in proc.stderr
         )
+
+
+def test_the_export_records_the_dtype_it_wrote_whatever_config_dtype_says(tmp_path):
+    from modelopt_lite.export import export_hf_checkpoint
+
+    model = _quantized()
+    model.config.dtype = None  # (a model never saved in this process: a run resumed after its training)
+    export_hf_checkpoint(model, tmp_path / "export")
+    assert json.loads((tmp_path / "export" / "config.json").read_text())["dtype"] == "float32"

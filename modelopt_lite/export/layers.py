@@ -18,7 +18,7 @@ from torch import nn
 from ..distributed import weight_access
 from ..logging import get_logger
 from ..moe import QuantExperts
-from ..nn import QuantAttention, QuantLinear, TensorQuantizer
+from ..nn import QuantAttention, QuantLinear, SequentialQuantizer, TensorQuantizer
 from ..nn.quant_module import Quantizer
 from ..quantization.compress import CompressedExperts, CompressedLinear
 from ..quantization.compress.real_format import (
@@ -78,10 +78,10 @@ def _unstored_transform(q: nn.Module) -> str | None:
     return None
 
 
-def _kv_kind(q: TensorQuantizer) -> str | None:
+def _kv_kind(q: Quantizer) -> str | None:
     """The ``kv_cache_quant_algo`` of one KV quantizer: FP8 per tensor, or NVFP4 with dynamic E4M3 scales
     per 16 channels (what engines store); ``None`` for anything else."""
-    if not q.is_enabled:
+    if not q.is_enabled or isinstance(q, SequentialQuantizer):  # (sequential: no one KV format)
         return None
     if _kind(q) == "fp8":
         return "FP8"

@@ -4,8 +4,15 @@ A block layout is described by ``block_sizes``: ``{axis: size}`` for one or two 
 whole axis (one block per row of that axis: per-token quantization when the axis is the last one). A length
 that is not a multiple of the block is padded with zeros; the padding is dropped again by :func:`merge`.
 
-Blocks are numbered in row-major order over the block grid, so a tensor of shape ``(R, C)`` with
-``{-1: 128}`` has ``R * ceil(C / 128)`` blocks and its per-block amax has shape ``(R * ceil(C / 128), 1)``.
+Blocks are numbered in row-major order over the block grid: the tensor's axes in their order, each blocked
+axis counted in blocks (``ceil(length / size)``). A per-block amax has the reference library's shape
+(:meth:`BlockLayout.amax_shape`): ``(num_blocks, 1)`` for blocks along the last axis alone (a tensor of
+shape ``(R, C)`` with ``{-1: 128}``: ``(R * ceil(C / 128), 1)``); otherwise the tensor's shape with each
+blocked axis split into ``(blocks, 1)`` (``(R, C)`` with ``{-1: 128, -2: 128}``:
+``(ceil(R / 128), 1, ceil(C / 128), 1)``); and with every size ``None`` (whole axes), the tensor's shape with
+those axes 1 (a per-channel amax).
+Releases before issue 46 numbered blocks with the unblocked axes first and stored a ``(num_blocks, 1)`` amax;
+:meth:`BlockLayout.from_flat_amax` converts such an amax.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ class BlockLayout:
     shape: tuple[int, ...]
     axes: tuple[int, ...]  # positive, sorted ascending
     sizes: tuple[int, ...]  # resolved block sizes, same order as axes
+    whole: bool = False  # every size was None (whole axes): the amax is a per-channel one
 
     @classmethod
     def build(cls, shape: torch.Size | tuple[int, ...], block_sizes: dict[int, int | None]):
@@ -54,7 +62,7 @@ class BlockLayout:
             size = norm[axis]
             size = shape[axis] if size is None else size
             sizes.append(max(int(size), 1))
-        return cls(shape, axes, tuple(sizes))
+        return cls(shape, axes, tuple(sizes), all(norm[a] is None for a in axes))
 
     @property
     def block_numel(self) -> int:
@@ -75,6 +83,59 @@ class BlockLayout:
             total *= s
         return total // self.block_numel
 
+    def _last_axis_only(self) -> bool:
+        return len(self.axes) == 1 and self.axes[0] == len(self.shape) - 1
+
+    def grid(self) -> tuple[int, ...]:
+        """Blocks per axis (the length of an axis without blocks), in the tensor's axis order."""
+        padded = self._padded()
+        return tuple(
+            padded[d] // self.sizes[self.axes.index(d)] if d in self.axes else padded[d]
+            for d in range(len(self.shape))
+        )
+
+    def amax_shape(self) -> tuple[int, ...]:
+        """The shape of a per-block amax (the reference library's; see the module docstring)."""
+        grid = self.grid()
+        if self.whole:
+            return () if len(self.axes) == len(self.shape) else grid
+        if self._last_axis_only():
+            return (self.num_blocks(), 1)
+        shape: list[int] = []
+        for d, g in enumerate(grid):
+            shape += [g, 1] if d in self.axes else [g]
+        return tuple(shape)
+
+    def from_flat_amax(self, amax: torch.Tensor) -> torch.Tensor:
+        """A ``(num_blocks, 1)`` amax of releases before issue 46 (blocks numbered with the unblocked axes
+        first, then the blocked ones) as an amax of :meth:`amax_shape` (same values, this numbering)."""
+        if amax.numel() != self.num_blocks():
+            raise ValueError(
+                f"amax has {amax.numel()} values but a tensor of shape {self.shape} splits into "
+                f"{self.num_blocks()} blocks"
+            )
+        grid, ndim = self.grid(), len(self.shape)
+        rest = [d for d in range(ndim) if d not in self.axes]
+        old = amax.reshape([grid[d] for d in rest] + [grid[d] for d in self.axes])
+        return old.movedim(tuple(range(len(rest), ndim)), self.axes).reshape(self.amax_shape())
+
+    def _expanded(self) -> tuple[list[int], list[int], list[int]]:
+        """The padded shape with each blocked axis split into ``(blocks, size)``, and the positions in it of
+        the grid dimensions and of the in-block ones (each in axis order)."""
+        padded = self._padded()
+        expanded: list[int] = []
+        grid_dims: list[int] = []
+        block_dims: list[int] = []
+        for d, n in enumerate(padded):
+            grid_dims.append(len(expanded))
+            if d in self.axes:
+                size = self.sizes[self.axes.index(d)]
+                block_dims.append(len(expanded) + 1)
+                expanded += [n // size, size]
+            else:
+                expanded.append(n)
+        return expanded, grid_dims, block_dims
+
     def split(self, x: torch.Tensor) -> torch.Tensor:
         """Return ``x`` as a ``(num_blocks, block_numel)`` tensor (a view when no copy is needed)."""
         padded = self._padded()
@@ -83,36 +144,21 @@ class BlockLayout:
             for axis in reversed(range(x.ndim)):
                 pad += [0, padded[axis] - self.shape[axis]]
             x = F.pad(x, pad)
-        if len(self.axes) == 1:
-            (axis,) = self.axes
-            if axis != x.ndim - 1:
-                x = x.movedim(axis, -1)
+        if self._last_axis_only():
             return x.reshape(-1, self.sizes[0])
-        a0, a1 = self.axes
-        # Move the two block axes to the end, split each into (grid, block), group the blocks.
-        x = x.movedim((a0, a1), (-2, -1))
-        lead = x.shape[:-2]
-        g0, g1 = x.shape[-2] // self.sizes[0], x.shape[-1] // self.sizes[1]
-        x = x.reshape(*lead, g0, self.sizes[0], g1, self.sizes[1])
-        x = x.transpose(-3, -2)
-        return x.reshape(-1, self.block_numel)
+        expanded, grid_dims, block_dims = self._expanded()
+        return x.reshape(expanded).permute(grid_dims + block_dims).reshape(-1, self.block_numel)
 
     def merge(self, blocks: torch.Tensor) -> torch.Tensor:
         """Inverse of :meth:`split`: back to ``shape``, padding removed."""
         padded = self._padded()
-        if len(self.axes) == 1:
-            (axis,) = self.axes
-            # the block axis last (no list.pop(axis): torch.compile may see ``axis`` as a symbolic int)
-            moved = [s for i, s in enumerate(padded) if i != axis] + [padded[axis]]
-            x = blocks.reshape(moved)
-            if axis != len(padded) - 1:
-                x = x.movedim(-1, axis)
+        if self._last_axis_only():
+            x = blocks.reshape(padded)
         else:
-            a0, a1 = self.axes
-            lead = [s for i, s in enumerate(padded) if i not in (a0, a1)]
-            g0, g1 = padded[a0] // self.sizes[0], padded[a1] // self.sizes[1]
-            x = blocks.reshape(*lead, g0, g1, self.sizes[0], self.sizes[1]).transpose(-3, -2)
-            x = x.reshape(*lead, padded[a0], padded[a1]).movedim((-2, -1), (a0, a1))
+            expanded, grid_dims, block_dims = self._expanded()
+            order = grid_dims + block_dims
+            inverse = [order.index(i) for i in range(len(order))]
+            x = blocks.reshape([expanded[i] for i in order]).permute(inverse).reshape(padded)
         if padded != self.shape:
             x = x[tuple(slice(0, s) for s in self.shape)]
         return x

@@ -49,8 +49,9 @@ def reduce_axes(spec: FormatSpec, ndim: int) -> tuple[int, ...] | None:
 def reduce_amax(x: torch.Tensor, spec: FormatSpec) -> torch.Tensor:
     """The amax of ``x`` with the shape the spec's quantizer stores (float32).
 
-    Per tensor: a scalar; per channel: ``keepdim`` shape; static blocks (static NVFP4 included):
-    ``(num_blocks, 1)``; NVFP4: the per-tensor (global) amax.
+    Per tensor: a scalar; per channel: ``keepdim`` shape; static blocks (static NVFP4 included): the
+    reference library's shape, :meth:`BlockLayout.amax_shape` (``(num_blocks, 1)`` for blocks along the last
+    axis; e.g. ``(R / 128, 1, C / 128, 1)`` for ``{-1: 128, -2: 128}``); NVFP4: the per-tensor (global) amax.
     """
     return reduce_like_amax(x.detach().abs().float(), spec, "amax")
 
@@ -61,7 +62,7 @@ def reduce_like_amax(x: torch.Tensor, spec: FormatSpec, op: str = "sum") -> torc
     axes = reduce_axes(spec, x.ndim)
     if axes is None:
         layout = BlockLayout.build(x.shape, spec.block_sizes)
-        return getattr(layout.split(x), op)(dim=-1, keepdim=True)
+        return getattr(layout.split(x), op)(dim=-1, keepdim=True).reshape(layout.amax_shape())
     if len(axes) == x.ndim:
         return getattr(x, op)()
     return getattr(x, op)(dim=axes, keepdim=True)

@@ -7,7 +7,9 @@ Recognised combinations (anything else raises, naming the attribute and the allo
 format                 num_bits / block_sizes                          amax
 =====================  ==============================================  =====================================
 INT-k                  ``k`` in 2..16; no blocks, ``axis`` None or int   calibrated, per tensor / per channel
-INT-k per block        ``k``; ``{-1: 128}`` (``type`` static)            calibrated, ``(num_blocks, 1)``
+INT-k per block        ``k``; ``{-1: 128}`` (``type`` static)            calibrated, ``(num_blocks, 1)``;
+                       or over two axes ``{-1: 128, -2: 128}``          over two axes the reference's shape
+                                                                        (``BlockLayout.amax_shape``)
 INT-k / FP8 dynamic    ``{-1: None, "type": "dynamic"}`` (per token)     from the input, per block
 INT-k / FP8 dynamic    ``type="dynamic"``, ``axis`` None or int / tuple   from the input, per tensor / per
                        (no blocks)                                      ``axis`` (reduced over the others)

@@ -18,7 +18,7 @@ from ..logging import get_logger
 from ..nn.errors import UnsupportedFeatureError
 from ..quantization.insertion import remove_quantizers, snapshot_implementations
 from .hf import attach, checkpointing_enabled
-from .state import modelopt_state, restore_from_modelopt_state
+from .state import convert_flat_block_amax, modelopt_state, restore_from_modelopt_state
 
 __all__ = ["STATE_FILE", "first_difference", "load_state", "restore", "save"]
 
@@ -123,6 +123,7 @@ def restore(model: nn.Module, f: str | os.PathLike[str]) -> nn.Module:
     except BaseException:
         remove_quantizers(model, implementations)
         raise
+    convert_flat_block_amax(model)
     if checkpointing_enabled():
         attach(model)
     return model

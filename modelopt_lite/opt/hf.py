@@ -29,7 +29,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from ..logging import get_logger
 from ..quantization.model_quant import add_post_quantize_hook, remove_post_quantize_hook
-from .state import modelopt_state, restore_from_modelopt_state
+from .state import convert_flat_block_amax, modelopt_state, restore_from_modelopt_state
 
 __all__ = [
     "QUANT_METHOD",
@@ -90,6 +90,7 @@ class ModeloptLiteStateQuantizer(HfQuantizer):
         attach(model)
 
     def _process_model_after_weight_loading(self, model: nn.Module, **kwargs: Any) -> nn.Module:
+        convert_flat_block_amax(model)  # (a block amax saved before issue 46)
         return model
 
     def is_serializable(self) -> bool:

@@ -14,7 +14,7 @@ from ..nn import QUANT_MODULES, QuantModule, SequentialQuantizer, TensorQuantize
 from ..nn.lora import adapter_modules
 from ..nn.quant_linear import LOWRANK_BUFFERS, lowrank_factors, set_lowrank_factors
 from ..quantization import QuantizeConfig, quant_state, quantizer_attributes
-from ..quantization.compress import CompressedLinear, compressed_state, restore_compressed
+from ..quantization.compress import CompressedExperts, CompressedLinear, compressed_state, restore_compressed
 from ..quantization.config import plain
 from ..quantization.insertion import (
     Provenance,
@@ -25,7 +25,7 @@ from ..quantization.insertion import (
 )
 from ..quantization.model_quant import QuantState, set_quant_state
 
-__all__ = ["modelopt_state", "restore_from_modelopt_state"]
+__all__ = ["convert_flat_block_amax", "modelopt_state", "restore_from_modelopt_state"]
 
 _FORMAT = 1
 logger = get_logger(__name__)
@@ -249,3 +249,18 @@ def _apply_state(model: nn.Module, state: dict[str, Any]) -> None:
     if state.get("quant_config") is not None:
         provenance = Provenance({k: [tuple(s) for s in v] for k, v in state.get("provenance", {}).items()})
         set_quant_state(model, QuantState(QuantizeConfig.from_dict(state["quant_config"]), provenance))
+
+
+def convert_flat_block_amax(model: nn.Module) -> list[str]:
+    """After loading a checkpoint: give every weight quantizer's block amax saved flat, ``(num_blocks, 1)``,
+    by releases before issue 46 for blocks over several axes or a non-last axis, the reference's shape and
+    block order (:meth:`TensorQuantizer.convert_flat_block_amax`; an activation quantizer's is converted at
+    its first forward). Returns the names of the converted quantizers."""
+    converted = []
+    for module in model.modules():
+        if isinstance(module, QuantModule) and not isinstance(module, (CompressedLinear, CompressedExperts)):
+            for q, weight in module.weight_quantizer_pairs():  # (compressed layers hold no block amax)
+                for stage in q if isinstance(q, SequentialQuantizer) else [q]:
+                    if stage.convert_flat_block_amax(weight.shape):
+                        converted.append(stage.name)
+    return converted

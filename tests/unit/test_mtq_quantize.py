@@ -284,15 +284,18 @@ def test_bad_algorithms_fail_before_touching_the_model():
     assert mtq.quant_state(model) is None
 
 
-def test_sequential_input_quantizer_is_refused_and_rolled_back():
+def test_sequential_input_quantizer_is_refused_by_search_algorithms_and_rolled_back():
+    # (max calibrates a sequential input quantizer: tests/unit/test_reference_round3_quantizer.py)
     model = tiny_llama()
     cfg = {
         "quant_cfg": [
             {"quantizer_name": "*", "enable": False},
+            {"quantizer_name": "*weight_quantizer", "cfg": {"num_bits": 8, "axis": 0}},
             {"quantizer_name": "*input_quantizer", "cfg": [{"num_bits": 8}, {"num_bits": (4, 3)}]},
-        ]
+        ],
+        "algorithm": "smoothquant",
     }
-    with pytest.raises(NotImplementedError, match="weights only"):
+    with pytest.raises(NotImplementedError, match=r"smoothquant.*sequential.*input_quantizer"):
         mtq.quantize(model, cfg, batches())
     assert mtq.quant_state(model) is None
 

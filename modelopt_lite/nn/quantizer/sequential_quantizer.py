@@ -1,7 +1,9 @@
 """``SequentialQuantizer``: two or more quantizers applied one after the other to the same tensor.
 
 A config rule whose ``cfg`` is a list (``W4A8_AWQ_BETA_CFG``: INT4 blocks, then FP8 per tensor) installs one
-in the quantizer's slot. Each stage is an ordinary :class:`TensorQuantizer` named ``<slot>.<i>``.
+in the quantizer's slot, of a weight or of an activation. Each stage is an ordinary :class:`TensorQuantizer`
+named ``<slot>.<i>``. As in the reference it is an ``nn.Sequential`` (indexing, ``len``, iteration), and
+setting ``amax`` or ``fake_quant`` on it sets every stage.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ from .tensor_quantizer import TensorQuantizer
 __all__ = ["SequentialQuantizer"]
 
 
-class SequentialQuantizer(nn.ModuleList):
-    """Stages run in order; calibrating from a tensor calibrates stage ``i`` on stage ``i - 1``'s output."""
+class SequentialQuantizer(nn.Sequential):
+    """Stages run in order. Calibrating an activation over data gives every stage the statistics of the raw
+    input (fake quantization is off while statistics are collected, as in the reference); :meth:`calibrate`
+    from a tensor (how weights are calibrated) calibrates stage ``i`` on stage ``i - 1``'s output."""
 
     def __init__(self, *args: str | Sequence[QuantizerAttributes] | TensorQuantizer):
         """``SequentialQuantizer(name, [attributes, ...])`` (one stage per attributes), or the reference's
@@ -41,7 +45,7 @@ class SequentialQuantizer(nn.ModuleList):
                 raise TypeError(
                     f"SequentialQuantizer(*quantizers) takes TensorQuantizer objects, got {bad or 'none'}"
                 )
-        super().__init__(stages)
+        super().__init__(*stages)
         self.name = name
 
     @property
@@ -73,9 +77,23 @@ class SequentialQuantizer(nn.ModuleList):
     def amax(self) -> torch.Tensor | None:
         return self[0].amax
 
+    @amax.setter
+    def amax(self, value: torch.Tensor | float) -> None:
+        """Give every stage this amax (the reference's delegation); ``None`` raises: use
+        :meth:`reset_amax` to forget the stages' amax."""
+        if value is None:
+            raise ValueError(f"{self.name}: amax cannot be set to None; call reset_amax() to forget it")
+        for q in self:
+            q.amax = value
+
     @property
     def fake_quant(self) -> bool:
         return self[0].fake_quant
+
+    @fake_quant.setter
+    def fake_quant(self, value: bool) -> None:
+        for q in self:
+            q.fake_quant = value
 
     def reset_amax(self) -> None:
         for q in self:

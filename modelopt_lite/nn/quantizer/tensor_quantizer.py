@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ...formats import (
+    BlockLayout,
     FormatSpec,
     fake_quant,
     fake_quant_learnable,
@@ -179,6 +180,35 @@ class TensorQuantizer(ReferenceQuantizerMethods, QuantizerCalibration, Quantizer
         self._calibrator.reset()
         self.reset_bias()
 
+    def convert_flat_block_amax(self, shape: torch.Size | tuple[int, ...]) -> bool:
+        """Give a ``(num_blocks, 1)`` block amax, as releases before issue 46 stored every block amax (blocks
+        numbered with the unblocked axes first), the shape and block order of the reference library for an
+        input of ``shape`` (e.g. ``(R / 128, 1, C / 128, 1)`` for ``{-1: 128, -2: 128}``); the values of
+        each block stay. Returns whether the amax was converted. A forward converts it too (from its input's
+        shape); :func:`mto.restore` converts those of weights right after loading."""
+        spec, amax = self._spec, self._amax
+        if (
+            amax is None
+            or not spec.block_axes
+            or spec.dynamic
+            or spec.kind not in ("int", "fp8")
+            or amax.dim() != 2
+            or amax.shape[1] != 1
+            or hasattr(amax, "placements")  # (a DTensor shard: left as it is)
+        ):
+            return False
+        layout = BlockLayout.build(tuple(shape), spec.block_sizes)
+        if tuple(amax.shape) == layout.amax_shape() or amax.numel() != layout.num_blocks():
+            return False  # (already this layout's; or of another count: fake quant raises naming it)
+        with torch.no_grad():
+            converted = layout.from_flat_amax(amax.detach())
+        logger.info(
+            "%s: block amax %s (the layout of releases before issue 46) converted to %s",
+            self.name, tuple(amax.shape), tuple(converted.shape),
+        )  # fmt: skip
+        self._store_amax(converted.clone())
+        return True
+
     # ----------------------------------------------------------------------- modes
     def enable(self) -> None:
         self.configure(enable=True)
@@ -253,6 +283,10 @@ class TensorQuantizer(ReferenceQuantizerMethods, QuantizerCalibration, Quantizer
                 "real quantized tensors are produced by export"
             )
         amax = self._amax
+        blocks = self._spec.block_axes
+        if amax is not None and amax.dim() == 2 and blocks and (len(blocks) > 1 or blocks[0][0] != -1):
+            if self.convert_flat_block_amax(x.shape):  # (a block amax saved before issue 46)
+                amax = self._amax
         if self._spec.needs_amax and amax is None:
             amax = self._amax_of_input(x)
         elif amax is not None and amax.device != x.device and not hasattr(amax, "placements"):

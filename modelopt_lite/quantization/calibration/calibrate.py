@@ -24,7 +24,7 @@ from ...distributed import (
     is_sharded,
 )
 from ...logging import get_logger, get_rank
-from ...nn import SequentialQuantizer, TensorQuantizer, iter_quantizers
+from ...nn import QuantModule, SequentialQuantizer, TensorQuantizer, iter_quantizers
 from ..config import ALGORITHMS, EXPERTS_WITHOUT_TOKENS, algorithm_step, experts_without_tokens
 from .idle_experts import experts_without_tokens_policy
 
@@ -118,6 +118,7 @@ def calibrate(
         check_same_on_all_ranks(names, "the quantizers of the model")
     for algorithm, _ in steps:
         _check_placement(model, algorithm)
+        _check_sequential_activations(model, algorithm)
     for algorithm, options in steps:
         options = dict(options)
         with experts_without_tokens_policy(options.pop(EXPERTS_WITHOUT_TOKENS, "warn")):
@@ -143,6 +144,28 @@ def _check_placement(model: nn.Module, algorithm: str) -> None:
             "offloads some of this model's weights to CPU / disk (device_map with 'cpu' / 'disk' entries, "
             "offload_folder): load the model without offloading for this algorithm, or use 'max' or 'mse' "
             "(they support offloaded weights)"
+        )
+
+
+def _check_sequential_activations(model: nn.Module, algorithm: str) -> None:
+    """Sequential (list ``cfg``) activation quantizers calibrate with max (and mse, which max-calibrates the
+    activations); the other algorithms read one quantizer per input: refuse them naming the quantizer."""
+    if algorithm in ("max", "mse"):
+        return
+    weights = {
+        id(q) for m in model.modules() if isinstance(m, QuantModule) for q, _ in m.weight_quantizer_pairs()
+    }
+    found = [
+        name
+        for name, q in iter_quantizers(model)
+        if isinstance(q, SequentialQuantizer) and q.is_enabled and id(q) not in weights
+    ]
+    if found:
+        more = " ..." if len(found) > 4 else ""
+        raise NotImplementedError(
+            f"algorithm {algorithm!r} with a sequential (list cfg) activation quantizer "
+            f"({', '.join(found[:4])}{more}) is not supported; calibrate it with 'max' or 'mse', or give"
+            " that input quantizer a single cfg"
         )
 
 

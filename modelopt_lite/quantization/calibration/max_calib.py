@@ -107,16 +107,19 @@ def max_calibrate(
 
 
 def activation_quantizers(model: nn.Module) -> list[TensorQuantizer]:
-    """The enabled static quantizers that max calibration fills from data (every one but the weights')."""
+    """The enabled static quantizers that max calibration fills from data (every one but the weights'); of a
+    sequential activation quantizer, its stages, each of which collects the raw input (the reference's
+    behaviour: no stage quantizes while statistics are collected)."""
     weights = {id(q) for q, _ in weight_quantizers(model, gather=False)}
     activations: list[TensorQuantizer] = []
-    for name, q in iter_quantizers(model):
+    for _, q in iter_quantizers(model):
         if id(q) in weights or not q.is_enabled:
             continue
-        if isinstance(q, SequentialQuantizer):
-            raise NotImplementedError(f"{name}: sequential quantizers are supported on weights only")
-        if q.spec.needs_amax and q.attributes.pinned_amax is None:  # (a pinned amax is not calibrated)
-            activations.append(q)
+        for stage in _stages(q):
+            if not stage.is_enabled or not stage.spec.needs_amax:
+                continue
+            if stage.attributes.pinned_amax is None:  # (a pinned amax is not calibrated)
+                activations.append(stage)
     return activations
 
 

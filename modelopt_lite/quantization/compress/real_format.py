@@ -65,7 +65,7 @@ def _describe(q: Quantizer | None) -> str:
     return f"{q.spec.name} {q.spec.granularity}"
 
 
-def detect_format(name: str, wq: Quantizer | None, iq: TensorQuantizer | None) -> str | None:
+def detect_format(name: str, wq: Quantizer | None, iq: Quantizer | None) -> str | None:
     """The ``quant_algo`` of a linear map with these quantizers (``None``: not quantized)."""
     if wq is not None and lowrank_factors(wq) is not None:
         raise UnsupportedFormatError(
@@ -80,6 +80,12 @@ def detect_format(name: str, wq: Quantizer | None, iq: TensorQuantizer | None) -
                 "export writes quantized weights only (disable the input quantizer or quantize the weight)"
             )
         return None
+    if isinstance(iq, SequentialQuantizer) and iq.is_enabled:
+        raise UnsupportedFormatError(
+            f"{name}: the input quantizer is sequential ({_describe(iq)}); no real format (export, "
+            "mtq.compress) stores more than one input scale: give *input_quantizer a single cfg to export, "
+            "or save the fake-quantized model with mto.save"
+        )
     if isinstance(wq, SequentialQuantizer):
         kinds = [_kind(s) for s in wq if s.is_enabled]
         weight = "+".join(kinds) if kinds == ["int4_block", "fp8"] else "other"

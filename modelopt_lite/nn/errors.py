@@ -1,8 +1,17 @@
-"""The error raised by a feature of the reference library that this library deliberately leaves out."""
+"""Error classes shared by the floors above: the one a feature of the reference library that this library
+deliberately leaves out raises, and those that also derive from the reference's error type where ours is
+another one, so that ``except`` clauses written for the reference still catch them."""
 
 from __future__ import annotations
 
-__all__ = ["UnsupportedFeatureError", "unsupported_class"]
+from ..formats.integer import UnsignedNegativeInputError
+
+__all__ = [
+    "ModelAlreadyQuantizedError",
+    "UnsignedNegativeInputError",
+    "UnsupportedFeatureError",
+    "unsupported_class",
+]
 
 
 class UnsupportedFeatureError(NotImplementedError, ValueError):
@@ -10,6 +19,14 @@ class UnsupportedFeatureError(NotImplementedError, ValueError):
 
     It is a ``NotImplementedError`` (what it is) and a ``ValueError`` (what a bad attribute or option value
     raises, so existing ``except ValueError`` handlers and pydantic validation still catch it)."""
+
+
+class ModelAlreadyQuantizedError(ValueError, AssertionError):
+    """A quantizer state was restored onto a model that already holds quantizers (restore onto a fresh
+    model of the same architecture instead).
+
+    A ``ValueError`` (this library never asserts on user input) and an ``AssertionError`` (what the
+    reference library raises here), so that ``except`` clauses written for either catch it."""
 
 
 def unsupported_class(name: str, instead: str, module: str) -> type:

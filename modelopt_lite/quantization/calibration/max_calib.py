@@ -55,6 +55,12 @@ def weight_quantizers(
 
 @register_algorithm("max")
 def max_calibrate(model: nn.Module, forward_loop: ForwardLoop | None, **options: Any) -> None:
+    """Activation amax from ``forward_loop`` (run only when an enabled static activation quantizer needs
+    data), weight amax from the weights. The reference's ``skip_forward_without_activation_calib`` is
+    accepted: skipping the forward loop when no quantizer needs it is what this algorithm always does."""
+    skip = options.pop("skip_forward_without_activation_calib", False)
+    if not isinstance(skip, bool):
+        raise ValueError(f"skip_forward_without_activation_calib={skip!r} must be True or False")
     if options:
         raise ValueError(f"max calibration takes no options, got {sorted(options)}")
     activations = activation_quantizers(model)

@@ -3,6 +3,8 @@ it (issue 46): the older flat ``quant_cfg`` dict in ``QuantizeConfig``, malforme
 error types and key phrases that ``pytest.raises(..., match=...)`` / ``except`` clauses written for the
 reference look for, and the reference's recipe names."""
 
+import re
+
 import pytest
 import torch
 from pydantic import ValidationError
@@ -12,7 +14,7 @@ import modelopt_lite.quantization as mtq
 from modelopt_lite.quantization import tensor_quant
 from modelopt_lite.quantization.nn import TensorQuantizer
 
-from ._models import batches, tiny_llama
+from ._models import batches, tiny_llama, tiny_qwen3_moe
 
 
 def _loop(model):
@@ -143,3 +145,195 @@ def test_quantizer_attribute_and_calibration_messages_carry_the_reference_phrase
     quantizer.enable_calib()
     with pytest.raises(RuntimeError, match="Calibrator returned None"):
         quantizer.load_calib_amax()
+
+
+# ------------------------------------------------------------------ 10: every recipe name of the reference
+#: Model-Optimizer 0.47's recipe names that are shipped here, with how many quantizers (per-expert ones
+#: counted once) its own mtq.quantize enables on the tiny dense / MoE models below (None: it raises, as the
+#: recipe's patterns match no linear layer of that model; MSE recipes counted with max calibration, as their
+#: CPU path needs triton there).
+REFERENCE_SHIPPED = {
+    "general/ptq/fp8_default-kv_fp8": (16, 14),
+    "general/ptq/fp8_default-kv_fp8_cast": (16, 14),
+    "general/ptq/int4_blockwise_weight_only": (7, 6),
+    "general/ptq/mxfp4_mlp_weight_only": (3, 2),
+    "general/ptq/nvfp4_default-kv_fp8": (16, 14),
+    "general/ptq/nvfp4_default-kv_fp8_cast": (16, 14),
+    "general/ptq/nvfp4_default-kv_nvfp4_cast": (16, 14),
+    "general/ptq/nvfp4_experts_only-kv_fp8": (None, 6),
+    "general/ptq/nvfp4_experts_only-kv_fp8_cast": (None, 6),
+    "general/ptq/nvfp4_experts_only_input_scale1-kv_fp8_cast": (None, 6),
+    "general/ptq/nvfp4_experts_only_mse-kv_fp8_cast": (None, 6),
+    "general/ptq/nvfp4_mlp_only-kv_fp8": (8, 6),
+    "general/ptq/nvfp4_mlp_only-kv_fp8_cast": (8, 6),
+    "general/ptq/nvfp4_mlp_only-novit-kv_fp8": (8, 6),
+    "general/ptq/nvfp4_mlp_only_mse-kv_fp8_cast": (8, 6),
+    "general/ptq/nvfp4_mlp_weight_only": (3, 2),
+    "general/ptq/nvfp4_omlp_only-kv_fp8": (10, 8),
+    "general/ptq/nvfp4_omlp_only-kv_fp8_cast": (10, 8),
+    "general/ptq/nvfp4_weight_only-kv_fp16": (7, 6),
+    "general/ptq/nvfp4_weight_only-kv_fp8_cast": (9, 8),
+    "general/qad/nvfp4_default-kv_fp8": (16, 14),
+    "huggingface/diffusion_gemma/ptq/nvfp4_experts_only": (None, 6),
+    "huggingface/gemma/ptq/int8_sq-kv_fp8_cast": (16, 14),
+    "huggingface/gemma/ptq/w4a8_awq-kv_fp8_cast": (23, 32),
+    "huggingface/gemma4/ptq/w4a8_awq-kv_fp8_cast": (23, 32),
+    "huggingface/minimax_m3_vl/ptq/nvfp4_experts_only": (None, 4),
+    "huggingface/mpt/ptq/w4a8_awq-kv_fp8_cast": (23, 32),
+    "huggingface/nemotron_llama/ptq/fp8_output_quant_proj": (21, 16),
+    "huggingface/nemotron_llama/ptq/nvfp4_output_quant_proj": (21, 16),
+    "huggingface/nemotron_vl/ptq/nvfp4-kv_fp8_cast": (16, 14),
+    "huggingface/qwen3_5/ptq/w4a16_nvfp4-fp8_attn-kv_fp8_cast": (14, 13),
+    "huggingface/qwen3_5/ptq/w4a16_nvfp4_mse-fp8_attn-kv_fp8_cast": (14, 13),
+    "huggingface/qwen3_5_moe/ptq/nvfp4_experts_mse-fp8_rest-kv_fp8": (16, 14),
+    "huggingface/qwen3_5_moe/ptq/w4a16_nvfp4-fp8_attn-kv_fp8_cast": (14, 13),
+    "huggingface/qwen3_5_moe/ptq/w4a16_nvfp4_mse-fp8_attn-kv_fp8_cast": (14, 13),
+    "huggingface/step3p7/ptq/nvfp4_experts_only-kv_fp8_cast": (None, None),
+    "huggingface/step3p7/ptq/nvfp4_mlp_only-kv_fp8": (8, 6),
+    "models/deepseek-ai/DeepSeek-V4-Pro-0813/ptq/nvfp4_experts_only": (None, None),
+    "models/mistralai/Mistral-Medium-3.5-128B/ptq/nvfp4-max-calib": (16, 14),
+    "models/moonshotai/Kimi-K3/ptq/nvfp4_experts-fp8_pb_attention": (4, 4),
+    "models/nvidia/NVIDIA-Nemotron-3-Nano-4B-BF16/ptq/nvfp4_w4a16": (15, 13),
+    "models/nvidia/NVIDIA-Nemotron-3-Super-120B-A12B-BF16/ptq/nvfp4-max-calib": (None, 6),
+    "models/nvidia/NVIDIA-Nemotron-3-Super-120B-A12B-BF16/ptq/nvfp4-mse": (None, 6),
+    "models/nvidia/NVIDIA-Nemotron-3-Ultra-550B-A55B-BF16/ptq/nvfp4-4o6": (None, 6),
+    "models/nvidia/NVIDIA-Nemotron-3.5-Lightning-30B-A3B-BF16/ptq/w4a16_nvfp4_4o6": (3, 5),
+    "models/stepfun-ai/Step-3.5-Flash/ptq/nvfp4-mlp-only": (8, 6),
+}
+#: Its other recipe names: not shipped here, refused by name.
+REFERENCE_REFUSED = [
+    "general/auto_quantize/nvfp4_fp8_at_5p4bits",
+    "general/auto_quantize/nvfp4_fp8_kl_div_at_5p4bits",
+    "general/auto_quantize/nvfp4_mse_fp8_at_6p0bits",
+    "general/auto_quantize/w4a16_nvfp4_fp8_at_6p0bits-active_moe",
+    "general/auto_quantize/w4a8_awq_beta_fp8_at_6p0bits",
+    "general/distillation/dmd2_qwen_image",
+    "general/ptq/nvfp4_act_headroom-kv_fp8_cast",
+    "general/ptq/nvfp4_default-kv_none-gptq",
+    "general/ptq/nvfp4_experts_only-kv_fp8_layerwise",
+    "general/ptq/nvfp4_experts_only-kv_fp8_layerwise_offload",
+    "general/qad/nvfp4_dual_lsq-mse_init-fp8_kv",
+    "general/qad/nvfp4_lsq-mse_init-fp8_kv",
+    "general/speculative_decoding/dflash",
+    "general/speculative_decoding/domino",
+    "general/speculative_decoding/dspark",
+    "general/speculative_decoding/eagle3",
+    "huggingface/diffusion_gemma/ptq/disabled_quantizers",
+    "huggingface/minimax_m3_vl/ptq/mxfp8_nvfp4_experts",
+    "huggingface/nemotron_vl/ptq/disabled_quantizers",
+    "huggingface/qwen3_5/ptq/w4a16_nvfp4-fp8_attn-kv_fp8_cast.quant_cfg",
+    "huggingface/qwen3_5/ptq/w4a16_nvfp4_mse-fp8_attn-kv_fp8_cast.quant_cfg",
+    "huggingface/qwen3_6_moe/auto_quantize/w4a16_nvfp4_fp8_at_6p0bits-active_moe",
+    "huggingface/qwen3_6_moe/auto_quantize/w4a16_nvfp4_fp8_module_spaces_at_6p0bits-active_moe",
+    "huggingface/vit/ptq/fp8",
+    "models/meta-models/Muse-Glimmer-30B/auto_quantize/w4a16_nvfp4_4o6_mixed",
+    "models/nvidia/NVIDIA-Nemotron-3.5-Lightning-30B-A3B-BF16/speculative_decoding/dspark_warmstart",
+]
+
+
+def _folded_enabled(model):
+    """Enabled quantizers, per-expert ones folded into one name (as the reference has one per projection)."""
+    return {re.sub(r"_quantizers\.\d+$", "_quantizer", n) for n in _enabled(model)}
+
+
+def _tiny(kind):
+    return tiny_llama(layers=1) if kind == "dense" else _one_layer_moe()
+
+
+def _one_layer_moe():
+    model = tiny_qwen3_moe()
+    model.model.layers = model.model.layers[:1]
+    model.config.num_hidden_layers = 1
+    return model
+
+
+def test_every_reference_recipe_name_is_shipped_or_refused_by_name():
+    shipped = set(mtq.list_recipes())
+    assert set(REFERENCE_SHIPPED) <= shipped
+    for name in REFERENCE_SHIPPED:
+        recipe = mtq.load_recipe(name)
+        assert recipe.name == name
+        assert recipe.description
+        assert recipe.config.quant_cfg
+    for name in REFERENCE_REFUSED:
+        assert name not in shipped
+        with pytest.raises(mtq.UnsupportedFeatureError, match=re.escape(repr(name))) as err:
+            mtq.load_recipe(name)
+        assert isinstance(err.value, ValueError)  # as an unknown recipe name is
+        assert re.search(r"\b(use|load|call|quantize with|has the same|quantizes)\b", str(err.value)), name
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCE_SHIPPED))
+def test_each_shipped_reference_recipe_quantizes_a_dense_and_a_moe_model_as_the_reference(name):
+    for kind, expected in zip(("dense", "moe"), REFERENCE_SHIPPED[name], strict=True):
+        model = _tiny(kind)
+        mtq.quantize(model, name, _loop)
+        enabled = _folded_enabled(model)
+        if expected is None:  # the reference raises: nothing but (at most) the KV cache matches
+            assert all(re.search(r"[kv]_bmm_quantizer$", n) for n in enabled), (name, kind, enabled)
+        else:
+            assert len(enabled) == expected, (name, kind, sorted(enabled))
+
+
+NVFP4 = ((2, 1), 16)
+
+
+def _formats(model):
+    out = {}
+    for n, m in model.named_modules():
+        if isinstance(m, TensorQuantizer) and m.is_enabled:
+            short = re.sub(r"_quantizers\.\d+$", "_quantizer", n).removeprefix("model.layers.0.")
+            block = (m.block_sizes or {}).get(-1)
+            out.setdefault(short, set()).add(
+                (tuple(m.num_bits) if isinstance(m.num_bits, (list, tuple)) else m.num_bits, block)
+            )
+    return out
+
+
+def test_experts_only_recipe_enables_only_the_moe_expert_quantizers():
+    model = _one_layer_moe()
+    mtq.quantize(model, "general/ptq/nvfp4_experts_only-kv_fp8", _loop)
+    experts = [
+        f"mlp.experts.{p}_{w}_quantizer" for p in ("gate_up_proj", "down_proj") for w in ("input", "weight")
+    ]
+    assert _formats(model) == {
+        **{n: {NVFP4} for n in experts},
+        "self_attn.k_bmm_quantizer": {((4, 3), None)},
+        "self_attn.v_bmm_quantizer": {((4, 3), None)},
+    }
+    per_expert = [n for n in _enabled(model) if "weight_quantizers." in n]
+    assert len(per_expert) == 2 * model.config.num_experts  # every expert's own weight quantizer is on
+    dense = tiny_llama(layers=1)
+    mtq.quantize(dense, "general/ptq/nvfp4_experts_only-kv_fp8", _loop)
+    assert _folded_enabled(dense) == {
+        "model.layers.0.self_attn.k_bmm_quantizer",
+        "model.layers.0.self_attn.v_bmm_quantizer",
+    }
+
+
+def test_mlp_only_and_weight_only_recipes_select_the_reference_layers():
+    mlp = {
+        f"mlp.{p}.{w}_quantizer" for p in ("gate_proj", "up_proj", "down_proj") for w in ("input", "weight")
+    }
+    kv = {"self_attn.k_bmm_quantizer", "self_attn.v_bmm_quantizer"}
+    model = tiny_llama(layers=1)
+    mtq.quantize(model, "general/ptq/nvfp4_mlp_only-kv_fp8", _loop)
+    assert set(_formats(model)) == mlp | kv
+    model = tiny_llama(layers=1)
+    mtq.quantize(model, "general/ptq/nvfp4_omlp_only-kv_fp8", _loop)
+    assert set(_formats(model)) == mlp | kv | {
+        "self_attn.o_proj.input_quantizer",
+        "self_attn.o_proj.weight_quantizer",
+    }
+    model = tiny_llama(layers=1)
+    mtq.quantize(model, "general/ptq/nvfp4_weight_only-kv_fp16", _loop)
+    linears = ("q_proj", "k_proj", "v_proj", "o_proj")
+    assert _formats(model) == {
+        **{f"self_attn.{p}.weight_quantizer": {NVFP4} for p in linears},
+        **{f"mlp.{p}.weight_quantizer": {NVFP4} for p in ("gate_proj", "up_proj", "down_proj")},
+    }
+    model = tiny_llama(layers=1)
+    mtq.quantize(model, "general/ptq/nvfp4_default-kv_nvfp4_cast", _loop)
+    formats = _formats(model)
+    assert formats["self_attn.k_bmm_quantizer"] == {NVFP4}
+    assert model.model.layers[0].self_attn.k_bmm_quantizer.attributes.pinned_amax is not None  # "cast"

@@ -69,6 +69,23 @@ def test_normalize_quant_cfg_list_refuses_an_empty_or_non_mapping_entry(entry):
         mtq.quantize(tiny_llama(layers=1), {"quant_cfg": [entry]}, _loop)
 
 
+def test_a_list_entry_without_quantizer_name_holds_one_pattern_unless_class_scoped():
+    two = {"*weight_quantizer": {"num_bits": 8}, "*input_quantizer": {"num_bits": 8}}
+    with pytest.raises(ValueError, match="Invalid quant_cfg entry"):
+        mtq.normalize_quant_cfg_list([two])
+    # the same pairs as the whole (flat) quant_cfg, or as one entry each, are fine
+    assert len(mtq.normalize_quant_cfg_list(two)) == 2
+    assert len(mtq.normalize_quant_cfg_list([{k: v} for k, v in two.items()])) == 2
+    # an nn.*-scoped entry may sit beside other keys, as in the reference
+    scoped = mtq.normalize_quant_cfg_list(
+        [{"nn.Linear": {"*input_quantizer": {"num_bits": 8}}, "*": {"enable": False}}]
+    )
+    assert [(e["quantizer_name"], e["parent_class"]) for e in scoped] == [
+        ("*input_quantizer", "nn.Linear"),
+        ("*", None),
+    ]
+
+
 # ------------------------------------------------------------------ 12: error types and key phrases
 @pytest.mark.parametrize(
     ("entries", "match"),

@@ -31,6 +31,15 @@ from pydantic import ValidationError
 
 from ...nn import QuantizerAttributes
 from ...nn.quantizer.attribute_dict import UnsupportedFeatureError, quantizer_attributes
+from .algorithm_specs import (
+    ALGORITHMS,
+    EXPERTS_WITHOUT_TOKENS,
+    EXPERTS_WITHOUT_TOKENS_CHOICES,
+    LAYERWISE_UNSUPPORTED,
+    UNSUPPORTED_ALGORITHMS,
+    algorithm_step,
+    experts_without_tokens,
+)
 
 __all__ = [
     "ALGORITHMS",
@@ -46,43 +55,6 @@ __all__ = [
     "quantizer_attributes",
     "validating",
 ]
-
-#: The reference's calibration algorithms that this library does not implement, with what to use instead.
-UNSUPPORTED_ALGORITHMS = {
-    "nvfp4_act_headroom": "NVFP4 activation headroom calibration is not implemented; use 'max'",
-    "lsq": "use learn_amax=True in the quantizer attributes (LSQ gradients) with the QAT trainer",
-}
-#: Calibration algorithms a config may name (``None`` means: no calibration); the last ones are names of the
-#: reference that raise :class:`UnsupportedFeatureError` naming the alternative.
-ALGORITHMS = (
-    "max",
-    "smoothquant",
-    "awq_lite",
-    "awq_clip",
-    "awq_full",
-    "gptq",
-    "mse",
-    "local_hessian",
-    "svdquant",
-    *UNSUPPORTED_ALGORITHMS,
-)
-#: The option every calibration algorithm takes (``{"method": ..., "moe_experts_without_tokens": ...}``) that
-#: says what happens to MoE experts that receive no calibration tokens: ``"warn"`` (the default) gives their
-#: activation quantizers the amax of the other experts of their layer and names them in a WARNING;
-#: ``"raise"`` makes that an error.
-EXPERTS_WITHOUT_TOKENS = "moe_experts_without_tokens"
-EXPERTS_WITHOUT_TOKENS_CHOICES = ("warn", "raise")
-
-
-def experts_without_tokens(value: Any) -> str:
-    """``value`` if it is one of :data:`EXPERTS_WITHOUT_TOKENS_CHOICES`; else ``ValueError`` naming them."""
-    if not isinstance(value, str) or value not in EXPERTS_WITHOUT_TOKENS_CHOICES:
-        raise ValueError(
-            f"{EXPERTS_WITHOUT_TOKENS}={value!r} (allowed: {list(EXPERTS_WITHOUT_TOKENS_CHOICES)}: 'warn' "
-            "gives the activation quantizers of MoE experts that received no calibration tokens the amax of "
-            "the other experts of their layer, with a WARNING; 'raise' makes that an error)"
-        )
-    return value
 
 
 @contextmanager
@@ -227,6 +199,12 @@ class QuantRule:
                     "(allowed: quantizer_name, cfg, enable, parent_class)"
                 )
             return [cls(**entry)]
+        if len(entry) > 1 and not any(isinstance(k, str) and k.startswith("nn.") for k in entry):
+            raise ValueError(
+                f"Invalid quant_cfg entry: {entry!r}; a list entry without 'quantizer_name' holds one "
+                "{pattern: attributes} pair: write one entry per pattern, or pass the whole mapping as "
+                "quant_cfg (the older flat dict form)"
+            )
         rules: list[QuantRule] = []
         for key, value in entry.items():
             rules.extend(cls._legacy(key, value))
@@ -249,41 +227,6 @@ class QuantRule:
         if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
             return [cls(pattern, tuple(value), None, parent_class)]
         raise TypeError(f"quant_cfg[{pattern!r}]={value!r}: expected a mapping of attributes or a list")
-
-
-#: What a config asking for the reference's layer-by-layer calibration (``layerwise={"enable": True}``) hears.
-LAYERWISE_UNSUPPORTED = (
-    "layerwise calibration (one decoder layer at a time, layerwise={'enable': True}) is not implemented; "
-    "drop 'layerwise' to calibrate the whole model (our search algorithms already process one transformer "
-    "block at a time)"
-)
-
-
-def _without_layerwise(name: Any, options: dict[str, Any]) -> dict[str, Any]:
-    """``options`` less the reference's ``layerwise`` switch: off is dropped, on raises."""
-    layerwise = options.pop("layerwise", None)
-    enabled = layerwise.get("enable", False) if isinstance(layerwise, Mapping) else layerwise
-    if enabled:
-        raise UnsupportedFeatureError(f"algorithm={name!r}: {LAYERWISE_UNSUPPORTED}")
-    return options
-
-
-def algorithm_step(algorithm: Any) -> tuple[str | None, dict[str, Any]]:
-    """``(name, options)`` of one algorithm spec (a name, ``{"method": ..., **options}`` or ``None``); a spec
-    of another type raises ``TypeError``, a dict without ``"method"`` ``ValueError``. The reference's
-    ``layerwise`` option is dropped when off and raises :class:`UnsupportedFeatureError` when on."""
-    if isinstance(algorithm, Mapping):
-        if "method" not in algorithm:
-            raise ValueError(
-                f"algorithm={dict(algorithm)!r} needs a 'method' key (one of {list(ALGORITHMS)})"
-            )
-        options = {k: v for k, v in algorithm.items() if k != "method"}
-        return algorithm["method"], _without_layerwise(algorithm["method"], options)
-    if algorithm is not None and not isinstance(algorithm, str):
-        raise TypeError(
-            f"algorithm must be a name, a dict with 'method', None, or a list of these; got {algorithm!r}"
-        )
-    return algorithm, {}
 
 
 def _copy_step(algorithm: Any) -> Any:

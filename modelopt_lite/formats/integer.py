@@ -8,6 +8,7 @@ from .rounding import TINY_AMAX
 
 __all__ = [
     "INT_BITS",
+    "UnsignedNegativeInputError",
     "check_unsigned",
     "int_apply",
     "int_bounds",
@@ -85,8 +86,18 @@ def int_fake_quant(
     return int_apply(x, scale, keep, bounds).to(x.dtype)
 
 
-def check_unsigned(x: torch.Tensor, unsigned: bool) -> None:
+class UnsignedNegativeInputError(ValueError, TypeError):
+    """An ``unsigned=True`` integer quantizer was given negative values.
+
+    A ``ValueError`` (a bad input value) and a ``TypeError`` (what the reference library raises here), so
+    that ``except`` clauses written for either catch it."""
+
+
+def check_unsigned(x: torch.Tensor, unsigned: bool, name: str = "") -> None:
+    """Raise :class:`UnsignedNegativeInputError` if ``unsigned`` and ``x`` holds a negative value."""
     if unsigned and bool((x < 0).any()):
-        raise ValueError(
-            "unsigned=True quantizer received negative input; use unsigned=False for signed data"
+        where = f"{name}: " if name else ""
+        raise UnsignedNegativeInputError(
+            f"{where}Negative values encountered in the input of an unsigned=True quantizer (min "
+            f"{x.min().item():g}); use unsigned=False for signed data, or make the input non-negative"
         )

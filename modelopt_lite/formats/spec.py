@@ -172,8 +172,8 @@ def resolve_format(
     bits = _as_bits(num_bits)
     if axis is not None and block_sizes:
         raise ValueError(
-            f"axis={axis!r} and block_sizes={dict(block_sizes)!r} are exclusive: "
-            "set axis for per-channel, block_sizes for per-block quantization"
+            f"axis={axis!r} and block_sizes={dict(block_sizes)!r} are exclusive (axis must be None when "
+            "block_sizes is not None): set axis for per-channel, block_sizes for per-block quantization"
         )
     if axis is not None and not isinstance(axis, int):
         if not (isinstance(axis, (list, tuple)) and all(isinstance(a, int) for a in axis)):

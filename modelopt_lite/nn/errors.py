@@ -1,9 +1,18 @@
-"""The errors whose types follow the reference library's: a feature it has that this library deliberately
-leaves out, and a value it refuses with an ``assert``."""
+"""Error classes shared by the floors above: the one a feature of the reference library that this library
+deliberately leaves out raises, and those that also derive from the reference's error type where ours is
+another one, so that ``except`` clauses written for the reference still catch them."""
 
 from __future__ import annotations
 
-__all__ = ["InvalidValueError", "UnsupportedFeatureError", "unsupported_class"]
+from ..formats.integer import UnsignedNegativeInputError
+
+__all__ = [
+    "InvalidValueError",
+    "ModelAlreadyQuantizedError",
+    "UnsignedNegativeInputError",
+    "UnsupportedFeatureError",
+    "unsupported_class",
+]
 
 
 class UnsupportedFeatureError(NotImplementedError, ValueError):
@@ -16,6 +25,11 @@ class UnsupportedFeatureError(NotImplementedError, ValueError):
 class InvalidValueError(ValueError, AssertionError):
     """A bad value that the reference refuses with an ``assert`` (an ``AssertionError``): a ``ValueError``
     here, as every bad value is, and an ``AssertionError`` so that its users' handlers still catch it."""
+
+
+class ModelAlreadyQuantizedError(InvalidValueError):
+    """A quantizer state was restored onto a model that already holds quantizers (restore onto a fresh
+    model of the same architecture instead); an :class:`InvalidValueError`, as the reference asserts."""
 
 
 def unsupported_class(name: str, instead: str, module: str) -> type:

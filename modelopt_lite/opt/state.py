@@ -11,6 +11,7 @@ from torch import nn
 from .._version import __version__
 from ..logging import get_logger
 from ..nn import QUANT_MODULES, QuantModule, SequentialQuantizer, TensorQuantizer, iter_quantizers
+from ..nn.errors import ModelAlreadyQuantizedError
 from ..nn.lora import adapter_modules
 from ..nn.quant_linear import LOWRANK_BUFFERS, lowrank_factors, set_lowrank_factors
 from ..quantization import QuantizeConfig, quant_state, quantizer_attributes
@@ -204,7 +205,10 @@ def restore_from_modelopt_state(model: nn.Module, state: dict[str, Any]) -> nn.M
     quantizer that does not fit."""
     _validate_state(state)
     if quant_state(model) is not None or any(isinstance(m, QuantModule) for m in model.modules()):
-        raise ValueError("the model is already quantized; restore onto a fresh, unquantized model")
+        raise ModelAlreadyQuantizedError(
+            f"Model already has modelopt state! This {type(model).__name__} is already quantized (it holds "
+            "quantizers); restore onto a fresh, unquantized model of the same architecture"
+        )
     _check_modules(model, state)
     implementations = snapshot_implementations(model)
     try:

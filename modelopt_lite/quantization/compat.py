@@ -246,7 +246,7 @@ def normalize_quant_cfg_list(v: Any) -> list[QuantizerCfgEntry]:
     raw = v["quant_cfg"] if isinstance(v, Mapping) and "quant_cfg" in v else v
     if isinstance(raw, (str, bytes)) or not isinstance(raw, (Mapping, Sequence)):
         raise ValueError(
-            f"quant_cfg must be a list of entries (or the older flat mapping), got "
+            f"quant_cfg must be a sequence of entries (a list; or the older flat mapping), got "
             f"{type(raw).__name__}: {raw!r}"
         )
     config = QuantizeConfig.from_dict({"quant_cfg": raw, "algorithm": None})

@@ -79,7 +79,7 @@ def test_dict_form_default_is_the_fallback_wherever_it_is_written():
         ({"quant_cfg": [{"quantizer_name": "*", "cfg": {"num_bits": "8"}}]}, "num_bits"),
         ({"quant_cfg": [{"quantizer_name": "*", "cfg": {"num_bits": 17}}]}, "num_bits"),
         ({"quant_cfg": [{"quantizer_name": "*", "enable": "yes"}]}, "enable"),
-        ({"quant_cfg": [{"quantizer_name": "*"}]}, "needs 'cfg', 'enable'"),
+        ({"quant_cfg": [{"quantizer_name": "*"}]}, "must specify 'cfg', 'enable', or both"),
         ({"quant_cfg": [{"quantizer_name": "*", "enable": False, "when": 1}]}, "unknown key"),
         (
             {"quant_cfg": [{"quantizer_name": "*", "cfg": {"num_bits": 8, "backend": "x"}}]},
@@ -109,9 +109,12 @@ def test_dict_form_default_is_the_fallback_wherever_it_is_written():
         ({"algorithm": "max"}, "needs 'quant_cfg'"),
         (
             {"quant_cfg": [{"quantizer_name": "*", "cfg": [8, 4]}]},
-            r"rule '\*'.*one attribute mapping per stage",
+            r"rule '\*'.*cfg must be a valid list of attribute dictionaries",
         ),
-        ({"quant_cfg": [{"quantizer_name": "*", "cfg": "num_bits=8"}]}, r"rule '\*'.*cfg must be a mapping"),
+        (
+            {"quant_cfg": [{"quantizer_name": "*", "cfg": "num_bits=8"}]},
+            r"rule '\*'.*cfg must be a valid dictionary",
+        ),
         (
             {"quant_cfg": [{"quantizer_name": "*", "cfg": {"num_bits": 4, "block_sizes": [128]}}]},
             "block_sizes",

@@ -85,9 +85,9 @@ def test_normalized_entries_quantize_as_the_raw_config():
 
 
 def test_entries_need_an_instruction_and_empty_cfgs_are_refused_unless_disabling():
-    with pytest.raises(ValidationError, match="'cfg', 'enable' or both"):
+    with pytest.raises(ValidationError, match="'cfg', 'enable', or both"):
         mtq.normalize_quant_cfg_list([{"quantizer_name": "*"}])
-    with pytest.raises(ValidationError, match="'cfg', 'enable' or both"):
+    with pytest.raises(ValidationError, match="'cfg', 'enable', or both"):
         mtq.QuantizerCfgEntry(quantizer_name="*")
     with pytest.raises(ValidationError, match="cfg is empty"):
         mtq.normalize_quant_cfg_list([{"quantizer_name": "*", "cfg": {}}])
@@ -95,7 +95,7 @@ def test_entries_need_an_instruction_and_empty_cfgs_are_refused_unless_disabling
         mtq.quantize(tiny_llama(layers=1), {"quant_cfg": [{"quantizer_name": "*", "cfg": {}}]})
     entry = mtq.normalize_quant_cfg_list([{"quantizer_name": "*", "cfg": {}, "enable": False}])[0]
     assert (entry["cfg"], entry["enable"]) == (None, False)
-    with pytest.raises(ValueError, match="quant_cfg must be a list"):
+    with pytest.raises(ValueError, match="quant_cfg must be a sequence of entries"):
         mtq.normalize_quant_cfg_list("*weight_quantizer")
 
 

@@ -122,7 +122,8 @@ class QuantizerAttributes:
         """The amax ``constant_amax`` / ``use_constant_amax`` pin, else ``None``."""
         return E4M3_MAX if self.use_constant_amax is True else self.constant_amax
 
-    def _check_pinned_amax(self, spec: FormatSpec) -> None:
+    def _check_pinned_value(self) -> None:
+        """The checks of ``constant_amax`` / ``use_constant_amax`` that need no format (run first)."""
         if not isinstance(self.use_constant_amax, bool):
             raise ValueError(f"use_constant_amax={self.use_constant_amax!r} must be True or False")
         value = self.constant_amax
@@ -141,6 +142,9 @@ class QuantizerAttributes:
                     "use_constant_amax and constant_amax are mutually exclusive (448 or the given value); "
                     "set only one"
                 )
+
+    def _check_pinned_amax(self, spec: FormatSpec) -> None:
+        value = self.constant_amax
         if self.pinned_amax is not None and self.enable:
             which = "constant_amax" if value is not None else "use_constant_amax"
             if not _pinnable(spec):
@@ -172,6 +176,7 @@ class QuantizerAttributes:
         return settings if settings["enable"] else None
 
     def spec(self) -> FormatSpec:
+        self._check_pinned_value()
         spec = resolve_format(
             self.num_bits, self.axis, self.block_sizes, self.unsigned, self.narrow_range, self.type
         )

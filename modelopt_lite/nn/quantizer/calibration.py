@@ -99,8 +99,8 @@ class QuantizerCalibration:
                 )
                 return
             raise RuntimeError(
-                f"{self.name}: no data reached this quantizer during calibration; "
-                "run a forward pass over calibration data or disable the quantizer"
+                f"{self.name}: Calibrator returned None: no data reached this quantizer during "
+                "calibration; run a forward pass over calibration data or disable the quantizer"
             )
         self._store_amax(amax.float())
         if self._spec.static_nvfp4:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import InvalidValueError
 from .attributes import QuantizerAttributes
 from .tensor_quantizer import TensorQuantizer
 
@@ -82,7 +83,9 @@ class SequentialQuantizer(nn.Sequential):
         """Give every stage this amax (the reference's delegation); ``None`` raises: use
         :meth:`reset_amax` to forget the stages' amax."""
         if value is None:
-            raise ValueError(f"{self.name}: amax cannot be set to None; call reset_amax() to forget it")
+            raise InvalidValueError(
+                f"{self.name}: amax cannot be set to None; call reset_amax() to forget it"
+            )
         for q in self:
             q.amax = value
 

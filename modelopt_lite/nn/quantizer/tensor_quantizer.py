@@ -26,6 +26,7 @@ from ...formats import (
     reduce_amax,
 )
 from ...formats.functional import takes_out
+from ...formats.integer import UnsignedNegativeInputError, check_unsigned
 from ...logging import get_logger
 from ..calibrators import BiasCalibrator, Calibrator, bias_settings, make_calibrator
 from . import shared_outputs
@@ -271,8 +272,8 @@ class TensorQuantizer(ReferenceQuantizerMethods, QuantizerCalibration, Quantizer
         if not self._attrs.enable or x.numel() == 0:
             return x
         if self._calib_enabled:
-            if self._spec.kind == "int" and self._attrs.unsigned and bool((x < 0).any()):
-                raise ValueError(f"{self.name}: unsigned=True quantizer received negative input")
+            if self._spec.kind == "int":
+                check_unsigned(x, self._attrs.unsigned, self.name)
             if self._attrs.type == "static":
                 self._collect(x)
         if not self._quant_enabled:
@@ -306,6 +307,8 @@ class TensorQuantizer(ReferenceQuantizerMethods, QuantizerCalibration, Quantizer
                     out = fake_quant(x, self._spec, amax, clip, self._global_amax, buf)
                     if share:
                         shared_outputs.store(x, self._spec, clip, amax, self._global_amax, out)
+        except UnsignedNegativeInputError as err:  # keeps its type (a TypeError too, as in the reference)
+            raise UnsignedNegativeInputError(f"{self.name}: {err}") from None
         except ValueError as err:
             raise ValueError(f"{self.name}: {err}") from None
         return out if bias is None else out + bias

@@ -75,6 +75,11 @@ def max_calibrate(
       and ``shared_states`` (the reference's shared NVFP4 global amax of q/k/v, gate/up, which the export
       here unifies itself) raise :class:`UnsupportedFeatureError`.
     """
+    if not isinstance(skip_forward_without_activation_calib, bool):
+        raise ValueError(
+            f"skip_forward_without_activation_calib={skip_forward_without_activation_calib!r} must be True "
+            "or False"
+        )
     if options:
         raise ValueError(
             f"max calibration: unknown option(s) {sorted(options)} (allowed: distributed_sync, "

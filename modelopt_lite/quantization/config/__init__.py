@@ -1,6 +1,7 @@
-"""The quantization config: the typed config (:mod:`.rules`: :class:`QuantizeConfig`, :class:`QuantRule`,
-the algorithm names), the reference's pydantic models under its names (:mod:`.config_models`), the presets
-(:mod:`.presets`) and the packaged YAML recipes (:mod:`.recipes`).
+"""The quantization config: the typed config (:mod:`.rules`: :class:`QuantizeConfig`, :class:`QuantRule`;
+:mod:`.algorithm_specs`: the algorithm names), the reference's pydantic models under its names
+(:mod:`.config_models`), the presets (:mod:`.presets`) and the packaged YAML recipes (:mod:`.recipes`; the
+reference's recipe names that are not shipped: :mod:`.reference_recipes`).
 
 The bottom of :mod:`modelopt_lite.quantization`: it imports only :mod:`modelopt_lite.nn` (quantizer
 attributes) and the floors below, never another part of ``quantization``. As the reference's

@@ -169,15 +169,16 @@ class QuantizerCfgEntry(_MappingModel):
         name = data.get("quantizer_name")
         if "cfg" not in data and "enable" not in data:
             raise ValueError(
-                f"quant_cfg entry {name!r}: give 'cfg', 'enable' or both (an entry with only quantizer_name "
-                "does nothing)"
+                f"quant_cfg entry {name!r}: must specify 'cfg', 'enable', or both (an entry with only "
+                "quantizer_name does nothing; enable=True keeps the quantizer's attributes)"
             )
         cfg = data.get("cfg")
         if cfg is not None and is_empty_cfg(cfg):
             if data.get("enable") is not False:
                 raise ValueError(
-                    f"quant_cfg entry {name!r}: cfg is empty; give at least one attribute, or drop cfg and "
-                    "set enable (True keeps the quantizer's attributes, False disables it)"
+                    f"quant_cfg entry {name!r}: cfg is empty; it must specify at least one quantizer "
+                    "attribute, or drop cfg and set enable (True keeps the quantizer's attributes, False "
+                    "disables it)"
                 )
             data["cfg"] = None
         elif data.get("enable") is None:

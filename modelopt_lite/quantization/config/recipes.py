@@ -11,6 +11,12 @@ A recipe file::
       - ...
 
 Loading validates it; :meth:`Recipe.to_yaml` writes it back unchanged (same keys, values and order).
+
+Every PTQ recipe name of Model-Optimizer 0.47 (``general/ptq/nvfp4_experts_only-kv_fp8``,
+``huggingface/<model_type>/ptq/...``, ``models/<org>/<model>/ptq/...``) that maps onto this library's
+features is shipped under that name with the same rules; the others (auto_quantize, speculative decoding,
+layer-by-layer or LSQ calibration, ...) raise :class:`UnsupportedFeatureError` naming what to use
+(:data:`~.reference_recipes.REFERENCE_ONLY_RECIPES`).
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ from typing import Any
 
 import yaml
 
-from .rules import QuantizeConfig, plain
+from .reference_recipes import REFERENCE_ONLY_RECIPES
+from .rules import QuantizeConfig, UnsupportedFeatureError, plain
 
 __all__ = ["Recipe", "list_recipes", "load_recipe"]
 
@@ -82,13 +89,20 @@ def list_recipes() -> list[str]:
 
 
 def load_recipe(name_or_path: str | Path) -> Recipe:
-    """Load a packaged recipe by name, or a recipe file by path. Unknown names list the available ones."""
+    """Load a packaged recipe by name (``.yaml`` / ``.yml`` may be given), or a recipe file by path. Unknown
+    names list the available ones; a name of Model-Optimizer's that is not shipped raises
+    :class:`UnsupportedFeatureError` saying why and what to use instead."""
     packaged = _packaged()
-    key = str(name_or_path).removesuffix(".yaml")
+    key = str(name_or_path).removesuffix(".yaml").removesuffix(".yml")
     if key in packaged:
         text, name = packaged[key].read_text(encoding="utf-8"), key
     else:
         path = Path(name_or_path)
+        if not path.is_file() and key in REFERENCE_ONLY_RECIPES:
+            raise UnsupportedFeatureError(
+                f"recipe {key!r} (a Model-Optimizer recipe) is not shipped with this library: "
+                f"{REFERENCE_ONLY_RECIPES[key]}"
+            )
         if not path.is_file():
             raise ValueError(
                 f"unknown recipe {str(name_or_path)!r}: not a file, and not one of {sorted(packaged)}"

@@ -31,6 +31,15 @@ from pydantic import ValidationError
 
 from ...nn import QuantizerAttributes
 from ...nn.quantizer.attribute_dict import UnsupportedFeatureError, quantizer_attributes
+from .algorithm_specs import (
+    ALGORITHMS,
+    EXPERTS_WITHOUT_TOKENS,
+    EXPERTS_WITHOUT_TOKENS_CHOICES,
+    LAYERWISE_UNSUPPORTED,
+    UNSUPPORTED_ALGORITHMS,
+    algorithm_step,
+    experts_without_tokens,
+)
 
 __all__ = [
     "ALGORITHMS",
@@ -46,43 +55,6 @@ __all__ = [
     "quantizer_attributes",
     "validating",
 ]
-
-#: The reference's calibration algorithms that this library does not implement, with what to use instead.
-UNSUPPORTED_ALGORITHMS = {
-    "nvfp4_act_headroom": "NVFP4 activation headroom calibration is not implemented; use 'max'",
-    "lsq": "use learn_amax=True in the quantizer attributes (LSQ gradients) with the QAT trainer",
-}
-#: Calibration algorithms a config may name (``None`` means: no calibration); the last ones are names of the
-#: reference that raise :class:`UnsupportedFeatureError` naming the alternative.
-ALGORITHMS = (
-    "max",
-    "smoothquant",
-    "awq_lite",
-    "awq_clip",
-    "awq_full",
-    "gptq",
-    "mse",
-    "local_hessian",
-    "svdquant",
-    *UNSUPPORTED_ALGORITHMS,
-)
-#: The option every calibration algorithm takes (``{"method": ..., "moe_experts_without_tokens": ...}``) that
-#: says what happens to MoE experts that receive no calibration tokens: ``"warn"`` (the default) gives their
-#: activation quantizers the amax of the other experts of their layer and names them in a WARNING;
-#: ``"raise"`` makes that an error.
-EXPERTS_WITHOUT_TOKENS = "moe_experts_without_tokens"
-EXPERTS_WITHOUT_TOKENS_CHOICES = ("warn", "raise")
-
-
-def experts_without_tokens(value: Any) -> str:
-    """``value`` if it is one of :data:`EXPERTS_WITHOUT_TOKENS_CHOICES`; else ``ValueError`` naming them."""
-    if not isinstance(value, str) or value not in EXPERTS_WITHOUT_TOKENS_CHOICES:
-        raise ValueError(
-            f"{EXPERTS_WITHOUT_TOKENS}={value!r} (allowed: {list(EXPERTS_WITHOUT_TOKENS_CHOICES)}: 'warn' "
-            "gives the activation quantizers of MoE experts that received no calibration tokens the amax of "
-            "the other experts of their layer, with a WARNING; 'raise' makes that an error)"
-        )
-    return value
 
 
 @contextmanager
@@ -133,27 +105,46 @@ class QuantRule:
         if self.parent_class is not None and not isinstance(self.parent_class, str):
             raise TypeError(f"{where}: parent_class must be a class name such as 'nn.Linear'")
         if self.cfg is None and self.enable is None:
-            raise ValueError(f"{where}: a rule needs 'cfg', 'enable' or both")
+            raise ValueError(
+                f"{where}: must specify 'cfg', 'enable', or both (a rule with only quantizer_name does "
+                "nothing; enable=True keeps the quantizer's attributes, enable=False disables it)"
+            )
         if is_empty_cfg(self.cfg):  # as in the reference: nothing to set when disabling, else a mistake
             if self.enable is not False:
                 raise ValueError(
-                    f"{where}: cfg is empty; give at least one attribute, or drop cfg and set enable (True "
-                    "keeps the quantizer's attributes, False disables it)"
+                    f"{where}: cfg is empty; it must specify at least one quantizer attribute, or drop cfg "
+                    "and set enable (True keeps the quantizer's attributes, False disables it)"
                 )
             object.__setattr__(self, "cfg", None)
         if isinstance(self.cfg, Sequence) and not isinstance(self.cfg, (str, bytes)):
             if not all(isinstance(c, Mapping) for c in self.cfg):
                 raise TypeError(
-                    f"{where}: a cfg list holds one attribute mapping per stage, got {self.cfg!r}"
+                    f"{where}: cfg must be a valid list of attribute dictionaries (one per stage of a "
+                    f"sequential quantizer), got {self.cfg!r}"
                 )
             object.__setattr__(self, "cfg", tuple(copy.deepcopy(dict(c)) for c in self.cfg))
         elif self.cfg is not None:
             if not isinstance(self.cfg, Mapping):
                 raise TypeError(
-                    f"{where}: cfg must be a mapping of attributes (or a list of them), got {self.cfg!r}"
+                    f"{where}: cfg must be a valid dictionary of quantizer attributes (or a list of them, "
+                    f"one per stage), got {self.cfg!r}"
                 )
             object.__setattr__(self, "cfg", copy.deepcopy(dict(self.cfg)))
         self.attributes()  # validate now
+
+    _FIELDS = ("quantizer_name", "parent_class", "cfg", "enable")
+
+    def __getitem__(self, key: str) -> Any:
+        """Read a field by name (``rule["quantizer_name"]``), as the reference's entries read."""
+        if key not in self._FIELDS:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._FIELDS
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return getattr(self, key) if key in self._FIELDS else default
 
     @property
     def is_fallback(self) -> bool:
@@ -195,8 +186,11 @@ class QuantRule:
     @classmethod
     def from_entry(cls, entry: Any) -> list[QuantRule]:
         """One list entry: ``{"quantizer_name": ..., ...}`` or the single-key legacy ``{pattern: cfg}``."""
-        if not isinstance(entry, Mapping):
-            raise TypeError(f"quant_cfg entry must be a mapping, got {entry!r}")
+        if not isinstance(entry, Mapping) or not entry:
+            raise (ValueError if isinstance(entry, Mapping) else TypeError)(
+                f"Invalid quant_cfg entry: {entry!r}; expected a mapping {{'quantizer_name': ..., "
+                "'cfg': ..., 'enable': ...} (or the older single-key form {pattern: attributes})"
+            )
         if "quantizer_name" in entry:
             unknown = sorted(set(entry) - {"quantizer_name", "cfg", "enable", "parent_class"})
             if unknown:
@@ -205,6 +199,12 @@ class QuantRule:
                     "(allowed: quantizer_name, cfg, enable, parent_class)"
                 )
             return [cls(**entry)]
+        if len(entry) > 1 and not any(isinstance(k, str) and k.startswith("nn.") for k in entry):
+            raise ValueError(
+                f"Invalid quant_cfg entry: {entry!r}; a list entry without 'quantizer_name' holds one "
+                "{pattern: attributes} pair: write one entry per pattern, or pass the whole mapping as "
+                "quant_cfg (the older flat dict form)"
+            )
         rules: list[QuantRule] = []
         for key, value in entry.items():
             rules.extend(cls._legacy(key, value))
@@ -216,7 +216,10 @@ class QuantRule:
             raise TypeError(f"quant_cfg key {pattern!r} must be a string pattern")
         if pattern.startswith("nn.") and parent_class is None:
             if not isinstance(value, Mapping):
-                raise TypeError(f"quant_cfg[{pattern!r}] must map quantizer patterns to attributes")
+                raise TypeError(
+                    f"quant_cfg[{pattern!r}]: for the 'nn.*' scoped format, value must be a mapping of "
+                    f"quantizer patterns to attributes, got {value!r}"
+                )
             return [r for k, v in value.items() for r in cls._legacy(k, v, parent_class=pattern)]
         if isinstance(value, Mapping):
             cfg = {k: v for k, v in value.items() if k != "enable"} or None
@@ -226,41 +229,6 @@ class QuantRule:
         raise TypeError(f"quant_cfg[{pattern!r}]={value!r}: expected a mapping of attributes or a list")
 
 
-#: What a config asking for the reference's layer-by-layer calibration (``layerwise={"enable": True}``) hears.
-LAYERWISE_UNSUPPORTED = (
-    "layerwise calibration (one decoder layer at a time, layerwise={'enable': True}) is not implemented; "
-    "drop 'layerwise' to calibrate the whole model (our search algorithms already process one transformer "
-    "block at a time)"
-)
-
-
-def _without_layerwise(name: Any, options: dict[str, Any]) -> dict[str, Any]:
-    """``options`` less the reference's ``layerwise`` switch: off is dropped, on raises."""
-    layerwise = options.pop("layerwise", None)
-    enabled = layerwise.get("enable", False) if isinstance(layerwise, Mapping) else layerwise
-    if enabled:
-        raise UnsupportedFeatureError(f"algorithm={name!r}: {LAYERWISE_UNSUPPORTED}")
-    return options
-
-
-def algorithm_step(algorithm: Any) -> tuple[str | None, dict[str, Any]]:
-    """``(name, options)`` of one algorithm spec (a name, ``{"method": ..., **options}`` or ``None``); a spec
-    of another type raises ``TypeError``, a dict without ``"method"`` ``ValueError``. The reference's
-    ``layerwise`` option is dropped when off and raises :class:`UnsupportedFeatureError` when on."""
-    if isinstance(algorithm, Mapping):
-        if "method" not in algorithm:
-            raise ValueError(
-                f"algorithm={dict(algorithm)!r} needs a 'method' key (one of {list(ALGORITHMS)})"
-            )
-        options = {k: v for k, v in algorithm.items() if k != "method"}
-        return algorithm["method"], _without_layerwise(algorithm["method"], options)
-    if algorithm is not None and not isinstance(algorithm, str):
-        raise TypeError(
-            f"algorithm must be a name, a dict with 'method', None, or a list of these; got {algorithm!r}"
-        )
-    return algorithm, {}
-
-
 def _copy_step(algorithm: Any) -> Any:
     return copy.deepcopy(dict(algorithm)) if isinstance(algorithm, Mapping) else algorithm
 
@@ -268,7 +236,12 @@ def _copy_step(algorithm: Any) -> Any:
 @dataclass(frozen=True)
 class QuantizeConfig:
     """Rules (applied in order) and the calibration algorithm (a name, ``{"method": ..., **options}``,
-    ``None``, or a list of these, applied one after the other as in the reference)."""
+    ``None``, or a list of these, applied one after the other as in the reference).
+
+    ``quant_cfg`` takes :class:`QuantRule` objects, the reference's list of entry dicts, or its older flat
+    dict (``{"*weight_quantizer": {...}, "default": {"enable": False}}``, where ``"default"`` is the
+    fallback, applied first: see the module docstring), exactly as :func:`mtq.quantize` takes them; it is
+    held as a tuple of rules."""
 
     quant_cfg: tuple[QuantRule, ...]
     algorithm: str | Mapping[str, Any] | list[str | Mapping[str, Any] | None] | None = "max"
@@ -278,10 +251,16 @@ class QuantizeConfig:
             self._validate()
 
     def _validate(self) -> None:
-        # the reference's keyword form QuantizeConfig(quant_cfg=[{...}, ...]) gives entries as mappings
-        rules = [
-            r for e in self.quant_cfg for r in (QuantRule.from_entry(e) if isinstance(e, Mapping) else [e])
-        ]
+        raw = self.quant_cfg
+        if isinstance(raw, Mapping):  # the older flat dict form, as mtq.quantize takes it
+            rules = [r for key, value in raw.items() for r in QuantRule._legacy(key, value)]
+        elif isinstance(raw, (str, bytes)) or not isinstance(raw, (Sequence, Iterator)):
+            raise TypeError(
+                f"quant_cfg must be a sequence of entries (a list; or the older flat mapping), got "
+                f"{type(raw).__name__}: {raw!r}"
+            )
+        else:  # the reference's keyword form QuantizeConfig(quant_cfg=[{...}, ...]) gives mappings
+            rules = [r for e in raw for r in (QuantRule.from_entry(e) if isinstance(e, Mapping) else [e])]
         object.__setattr__(self, "quant_cfg", tuple(rules))
         for rule in self.quant_cfg:
             if not isinstance(rule, QuantRule):

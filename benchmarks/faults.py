@@ -147,7 +147,9 @@ def _leftovers(out: Path) -> list[str]:
     return [str(p.relative_to(out)) for p in out.rglob("*") if ".tmp" in p.name or "staging" in p.name]
 
 
-def measure_mode(mode: str, kills: int, threads: int, work: Path, rng: random.Random) -> dict:
+def measure_mode(
+    mode: str, kills: int, threads: int, work: Path, rng: random.Random, phases: tuple[str, ...] = PHASES
+) -> dict:
     ref = work / f"{mode}_reference"
     if _spawn(ref, mode, threads) != 0:
         raise RuntimeError(f"{mode}: the uninterrupted run failed")
@@ -158,7 +160,7 @@ def measure_mode(mode: str, kills: int, threads: int, work: Path, rng: random.Ra
     reference = _digest(ref)
     rows = {p: {"kills": 0, "exact": 0, "failed_or_partial": 0, "not_killed": 0} for p in (*PHASES, "other")}
     trials = []
-    for phase in PHASES:
+    for phase in phases:
         for i in range(kills):
             out = work / f"{mode}_{phase}_{i}"
             durations = times[phase]
@@ -197,6 +199,7 @@ def main(argv: list[str] | None = None) -> dict:
     p = h.common(h.parser(__doc__), threads=1, seed=0, quick="2 kills per phase and mode", json="the numbers")
     p.add_argument("--kills", type=int, default=20, help="kills per phase and mode")
     p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--phases", default=",".join(PHASES), help="the phases to kill in")
     p.add_argument("--workdir", help="keep the runs here (default: a temporary folder)")
     p.add_argument("--child", metavar="OUT", help=argparse.SUPPRESS)
     p.add_argument("--mode", default="qat", help=argparse.SUPPRESS)
@@ -214,7 +217,10 @@ def main(argv: list[str] | None = None) -> dict:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="faults_"))
     rng = random.Random(args.seed)
     start = time.time()
-    result = {mode: measure_mode(mode, kills, args.threads, work, rng) for mode in h.csv(args.modes)}
+    phases = tuple(h.csv(args.phases))
+    if set(phases) - set(PHASES):
+        p.error(f"--phases from {list(PHASES)}")
+    result = {mode: measure_mode(mode, kills, args.threads, work, rng, phases) for mode in h.csv(args.modes)}
     print(
         h.table_head(
             "| mode | phase | kills | resumed bit-exact | failed or half-written | not killed (ended first) |"

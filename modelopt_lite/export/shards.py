@@ -22,7 +22,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-__all__ = ["ShardWriter", "parse_size", "umask"]
+from ..logging import get_logger
+
+__all__ = ["ShardWriter", "parse_size", "staging_dir", "umask"]
+
+logger = get_logger(__name__)
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)?\s*$", re.IGNORECASE)
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
@@ -108,13 +112,45 @@ def _check_target(export_dir: Path, overwrite: bool) -> None:
         )
 
 
+def staging_dir(export_dir: Path) -> Path:
+    """A fresh hidden folder beside ``export_dir`` to write the export into, ``.<name>.<pid>.<random>.tmp``;
+    those (and the ``.old`` ones of :func:`_move_into_place`) that a process no longer running left there,
+    killed while exporting, are removed first."""
+    for suffix in ("tmp", "old"):
+        for stale in export_dir.parent.glob(f".{export_dir.name}.*.*.{suffix}"):
+            owner = stale.name[len(export_dir.name) + 2 :].split(".", 1)[0]
+            if owner.isdigit() and not _alive(int(owner)):
+                shutil.rmtree(stale, ignore_errors=True)
+                logger.info("removed %s, left by a killed export", stale.name)
+    return _hidden(export_dir, "tmp")
+
+
+def _hidden(export_dir: Path, suffix: str) -> Path:
+    prefix = f".{export_dir.name}.{os.getpid()}."
+    made = tempfile.mkdtemp(prefix=prefix, suffix=f".{suffix}", dir=export_dir.parent)
+    Path(made).chmod(0o777 & ~umask())  # mkdtemp makes it 0700; the export is an ordinary directory
+    return Path(made)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # (another user's process)
+        return True
+    return True
+
+
 def _move_into_place(tmp: Path, export_dir: Path) -> None:
     """Rename ``tmp`` to ``export_dir``; an existing (empty or overwritten) directory is moved aside first and
     removed only once the new one is in place."""
     if not export_dir.exists():
         os.replace(tmp, export_dir)
         return
-    old = Path(tempfile.mkdtemp(prefix=f".{export_dir.name}.", suffix=".old", dir=export_dir.parent))
+    old = Path(
+        tempfile.mkdtemp(prefix=f".{export_dir.name}.{os.getpid()}.", suffix=".old", dir=export_dir.parent)
+    )
     os.replace(export_dir, old / "previous")
     os.replace(tmp, export_dir)
     shutil.rmtree(old, ignore_errors=True)

@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -44,7 +43,7 @@ from ..quantization.compress.packers import INPUT_SCALE_BOUND, get_packer, scale
 from .hf_config import hf_quant_config, quantization_config
 from .layers import ExportLayer, ExportModule, export_plan, foldable_norms, kv_layers, unify_shared_scales
 from .lora import export_with_adapters
-from .shards import ShardWriter, _check_target, _move_into_place, parse_size, umask
+from .shards import ShardWriter, _check_target, _move_into_place, parse_size, staging_dir
 from .verify import verify_export
 
 __all__ = ["ExportResult", "export_hf_checkpoint", "parse_size"]
@@ -309,8 +308,7 @@ def export_hf_checkpoint(
         if writes:
             _check_target(export_dir, overwrite)
             export_dir.parent.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(prefix=f".{export_dir.name}.", suffix=".tmp", dir=export_dir.parent))
-            tmp.chmod(0o777 & ~umask())  # mkdtemp makes it 0700; the export is an ordinary directory
+            tmp = staging_dir(export_dir)
     try:
         with _together("export_hf_checkpoint: planning", collective):
             plan, quantized, groups = _plan(model)

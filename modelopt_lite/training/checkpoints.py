@@ -9,9 +9,9 @@ old checkpoints): ``modelopt_lite_complete.json``, written atomically, naming th
 * A checkpoint is *complete* when its marker is there and every file it names has its size, or (one written
   by a plain ``Trainer``, with no marker and no quantizer state) when its ``trainer_state.json`` parses.
 * ``resume_from_checkpoint=True`` (and the strings ``"true"`` / ``"last"``, as a command line gives them)
-  resumes from the newest complete checkpoint of ``output_dir``; newer incomplete ones are named in a
-  WARNING and left alone. A folder given by path must be complete, else ``ValueError`` names what is
-  missing and the newest complete one.
+  resumes from the newest complete checkpoint of ``output_dir``; newer incomplete ones are removed (the run
+  writes them again when it gets there), named in a WARNING. A folder given by path must be complete, else
+  ``ValueError`` names what is missing and the newest complete one.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -83,20 +84,22 @@ def resolve_checkpoint(value: str | bool | None, output_dir: str | os.PathLike[s
     if isinstance(value, str) and value.lower() in _LAST and not Path(value).is_dir():
         value = True
     if value is True:
-        skipped = []
+        skipped: list[tuple[Path, str]] = []
         for folder in reversed(_numbered(Path(output_dir))):
             problem = checkpoint_problem(folder)
             if problem is None:
-                if skipped:
+                if skipped:  # the run writes them again when it gets there: nothing is lost
+                    for stale, _ in skipped:
+                        shutil.rmtree(stale, ignore_errors=True)
                     logger.warning(
-                        "resuming from %s; newer incomplete checkpoint(s) left alone: %s",
+                        "resuming from %s; removed the newer incomplete checkpoint(s) %s",
                         folder.name,
-                        "; ".join(skipped),
+                        "; ".join(f"{p.name} ({why})" for p, why in skipped),
                     )
                 logger.info("resuming from the last complete checkpoint, %s", folder)
                 return str(folder)
-            skipped.append(f"{folder.name} ({problem})")
-        detail = f" (incomplete: {'; '.join(skipped)})" if skipped else ""
+            skipped.append((folder, problem))
+        detail = f" (incomplete: {'; '.join(f'{p.name} ({why})' for p, why in skipped)})" if skipped else ""
         raise ValueError(f"no complete checkpoint to resume from in {output_dir}{detail}")
     folder = Path(value)
     if not folder.is_dir():

@@ -69,7 +69,8 @@ def test_a_killed_run_resumes_from_the_last_complete_checkpoint_exactly(
         for r in lib_caplog.records
     )
     if skipped:
-        assert any(f"{skipped} (" in r.getMessage() for r in lib_caplog.records if r.levelname == "WARNING")
+        warnings = [r.getMessage() for r in lib_caplog.records if r.levelname == "WARNING"]
+        assert any(f"removed the newer incomplete checkpoint(s) {skipped} (" in w for w in warnings)
     _assert_same(resumed, uninterrupted)
     assert checkpoint_problem(tmp_path / "checkpoint-6") is None
 
@@ -102,11 +103,10 @@ def test_resume_values_and_what_counts_as_complete(tmp_path):
     assert resolve_checkpoint("true", tmp_path) == str(plain)
     (plain / "trainer_state.json").write_text('{"global_st')  # cut short
     assert resolve_checkpoint("LAST", tmp_path) == str(good)
+    assert not plain.exists()  # (removed: the run writes it again)
     (good / "model.safetensors").write_bytes(b"x" * 4)  # truncated after it was marked
     assert "has 4 bytes, 10 were written" in checkpoint_problem(good)
-    with pytest.raises(
-        ValueError, match=r"incomplete: checkpoint-3 .*checkpoint-2 \(model.safetensors has 4"
-    ):
+    with pytest.raises(ValueError, match=r"incomplete: checkpoint-2 \(model.safetensors has 4"):
         resolve_checkpoint(True, tmp_path)
 
 
@@ -215,3 +215,17 @@ def test_the_export_records_the_dtype_it_wrote_whatever_config_dtype_says(tmp_pa
     model.config.dtype = None  # (a model never saved in this process: a run resumed after its training)
     export_hf_checkpoint(model, tmp_path / "export")
     assert json.loads((tmp_path / "export" / "config.json").read_text())["dtype"] == "float32"
+
+
+def test_an_export_removes_the_staging_a_killed_export_left(tmp_path):
+    from modelopt_lite.export import export_hf_checkpoint
+
+    dead = tmp_path / ".export.2147483646.x1y2.tmp"  # no such process
+    live = tmp_path / f".export.{os.getppid()}.x1y2.tmp"  # a running process's export: left alone
+    for d in (dead, live):
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"half")
+    export_hf_checkpoint(_quantized(), tmp_path / "export")
+    assert not dead.exists()
+    assert live.exists()
+    assert (tmp_path / "export" / "hf_quant_config.json").is_file()

@@ -16,7 +16,17 @@ from modelopt_lite.quantization.nn import TensorQuantizer
 
 from ._models import batches, tiny_llama
 
-X = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+X: torch.Tensor = torch.empty(0)  # each test's input, set by _fresh_input
+
+
+@pytest.fixture(autouse=True)
+def _fresh_input():
+    """A new input per test, freed after it: a module-level tensor would keep the quantizers' shared outputs
+    (keyed by the input, released with it) alive for the rest of the session."""
+    global X
+    X = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    yield
+    X = torch.empty(0)
 
 
 def _int8_per_tensor(x: torch.Tensor) -> torch.Tensor:

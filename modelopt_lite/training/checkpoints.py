@@ -23,10 +23,12 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import torch
 from transformers import Trainer, TrainerCallback, TrainerState
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput
 
+from ..distributed import is_distributed
 from ..logging import get_logger
 from ..opt.checkpoint import STATE_FILE
 
@@ -140,9 +142,14 @@ def load_finished(trainer: Trainer, checkpoint: str) -> TrainOutput:
 
 
 class CompleteCheckpointCallback(TrainerCallback):
-    """After ``Trainer`` wrote a checkpoint: mark it complete (the main process, atomically)."""
+    """After ``Trainer`` wrote a checkpoint: mark it complete (the main process, atomically, once every rank
+    has written its part)."""
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if (
+            is_distributed()
+        ):  # every rank writes files of its own (rng_state_<rank>.pth, shards): wait for all
+            torch.distributed.barrier()
         if not args.should_save:
             return
         folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"

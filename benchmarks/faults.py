@@ -168,7 +168,8 @@ def measure_mode(
             delay = rng.uniform(0, durations[nth])
             step = f":{SAVE_EVERY * (nth + 1)}" if phase == "checkpoint" else ""
             code = _spawn(out, mode, threads, kill=f"{phase}:{delay:.4f}{step}")
-            died_in = _marks(out)[-1]["phase"] if _marks(out) else "other"
+            marks_left = _marks(out)
+            died_in = marks_left[-1]["phase"] if marks_left else "other"
             row = rows[died_in if died_in in rows else "other"]
             if code != -signal.SIGKILL:
                 row["not_killed"] += 1

@@ -37,7 +37,6 @@ __all__ = ["COMPLETE_MARKER", "checkpoint_problem", "load_finished", "resolve_ch
 logger = get_logger(__name__)
 
 COMPLETE_MARKER = "modelopt_lite_complete.json"
-_TRAINER_STATE = TRAINER_STATE_NAME
 _LAST = ("true", "last")
 _NUMBERED = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 
@@ -61,11 +60,11 @@ def checkpoint_problem(folder: str | os.PathLike[str]) -> str | None:
     if (folder / STATE_FILE).is_file():  # ours, killed before it was marked
         return f"it has no {COMPLETE_MARKER} (the process stopped while writing it)"
     try:
-        json.loads((folder / _TRAINER_STATE).read_text())["global_step"]
+        json.loads((folder / TRAINER_STATE_NAME).read_text())["global_step"]
     except FileNotFoundError:
-        return f"{_TRAINER_STATE} is missing"
+        return f"{TRAINER_STATE_NAME} is missing"
     except (ValueError, KeyError, TypeError):
-        return f"{_TRAINER_STATE} is unreadable"
+        return f"{TRAINER_STATE_NAME} is unreadable"
     return None
 
 
@@ -119,7 +118,7 @@ def resolve_checkpoint(value: str | bool | None, output_dir: str | os.PathLike[s
 
 def trained_steps(checkpoint: str) -> int:
     """The optimizer steps a checkpoint was saved after (its ``trainer_state.json``)."""
-    return int(json.loads((Path(checkpoint) / _TRAINER_STATE).read_text())["global_step"])
+    return int(json.loads((Path(checkpoint) / TRAINER_STATE_NAME).read_text())["global_step"])
 
 
 def load_finished(trainer: Trainer, checkpoint: str) -> TrainOutput:

@@ -105,13 +105,13 @@ def _digest(model: Any) -> list[tuple[str, float]]:
 
 
 class Shared:
-    """What every row of a worker shares: the spec, the unquantized model, the calibration batches and the
-    evaluation windows."""
+    """What every row of a worker shares: the spec, the calibration batches and the evaluation windows. Each
+    row reads its own float32 copy of the unquantized model from the checkpoint (``fresh_model``): one model
+    in the process at a time (at 1.5B a kept copy plus a row's copy and AWQ's buffers outgrew 24 GB)."""
 
     def __init__(self, spec: dict[str, Any]):
         import torch
         from safetensors.torch import load_file
-        from transformers import AutoModelForCausalLM
 
         torch.set_num_threads(spec["threads"])
         torch.manual_seed(spec.get("seed", 0))
@@ -119,7 +119,12 @@ class Shared:
         data = load_file(spec["data"])
         self.calib = list(data["calib"].split(spec["calib_batch"]))
         self.test = data["test"]
-        self.base = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32).eval()
+
+    def fresh_model(self) -> Any:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(self.spec["model_dir"], dtype=torch.float32).eval()
 
     def measure(self, model: Any) -> dict[str, float]:
         return measure(model, self.test, self.spec["ref_dir"], self.spec["eval_batch"])
@@ -169,7 +174,7 @@ def modelopt_rows(shared: Shared) -> None:
             cfg = copy.deepcopy(getattr(mtq, spec_row["preset"]))
             if spec_row.get("kv"):
                 cfg = update_quant_cfg_with_kv_cache_quant(cfg, getattr(mtq, spec_row["kv"])["quant_cfg"])
-            model = copy.deepcopy(shared.base)
+            model = shared.fresh_model()
             start = time.perf_counter()
             with torch.no_grad():
                 mtq.quantize(model, cfg, shared.forward_loop)
@@ -283,7 +288,7 @@ def torchao_rows(shared: Shared) -> None:
         }
 
         def work(row: dict[str, Any], spec_row: dict[str, Any] = spec_row) -> None:
-            model = copy.deepcopy(shared.base)
+            model = shared.fresh_model()
             if spec_row["config"] in TORCHAO_BF16:
                 model = model.to(torch.bfloat16)
             start = time.perf_counter()

@@ -70,7 +70,7 @@ def _child(mode: str, args) -> dict:
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    model = load_default_model(args.model)[0].to(getattr(torch, args.dtype))
+    model = load_default_model(args.model, getattr(torch, args.dtype))[0]
     with torch.no_grad():  # own copies: tensors read from the file's mapping keep the whole file resident
         for t in [*model.parameters(), *model.buffers()]:
             t.data = t.data.clone()

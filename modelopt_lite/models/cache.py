@@ -114,9 +114,15 @@ def default_model_path(kind: str = "dense", train_if_missing: bool = True, *, fo
 def load_default_model(
     kind: str = "dense", dtype: torch.dtype = torch.float32, train_if_missing: bool = True
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
-    """``(model, tokenizer)`` of the default model, the model in eval mode and ``dtype``."""
+    """``(model, tokenizer)`` of the default model, the model in eval mode and ``dtype`` (a real model's
+    name: ``real.load_real_model``, which reads a bfloat16 / float16 model from its cached copy in that
+    dtype instead of every float32 tensor first)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from .real import REAL_MODELS, load_real_model
+
+    if kind in REAL_MODELS:
+        return load_real_model(kind, dtype)
     path = default_model_path(kind, train_if_missing=train_if_missing)
     model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     return model.eval(), AutoTokenizer.from_pretrained(path)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -235,6 +236,20 @@ def test_a_bfloat16_copy_equals_the_float32_checkpoint_loaded_in_bfloat16(tmp_pa
     assert (copy / "model.safetensors").stat().st_size < 0.6 * (src / "model.safetensors").stat().st_size
     with pytest.raises(ValueError, match=r"dtype 'int8': choose one of \['bfloat16', 'float16'\]"):
         cast_checkpoint(src, "int8")
+
+
+@needs_gguf
+def test_a_real_model_by_name_in_bfloat16_is_read_from_its_bfloat16_copy(tmp_path, monkeypatch):
+    """load_default_model(<real model name>, dtype=bf16), as the benchmarks call it, goes through the cached
+    bfloat16 copy too (not transformers' float32 -> bf16 load, which holds both models' bytes)."""
+    from modelopt_lite.models import load_default_model
+
+    data = _tiny_llama_gguf(tmp_path / "whole.gguf").read_bytes()
+    _chunked_spec(tmp_path, monkeypatch, data, hashlib.sha256(data).hexdigest())
+    model, _ = load_default_model("chunked", dtype=torch.bfloat16)
+    assert model.name_or_path.endswith("-bfloat16")  # read from the copy
+    assert model.dtype == torch.bfloat16
+    assert _leftovers() == sorted([real_model_path("chunked").name, Path(model.name_or_path).name])
 
 
 def _installed(spec: RealModelSpec) -> bool:

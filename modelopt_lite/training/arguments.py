@@ -12,6 +12,7 @@ from ..formats import learnable_amax_error
 from ..nn.lora import require_peft
 from ..quantization import QuantizeConfig, resolve_config
 from ..quantization.config import ALGORITHMS, QuantRule
+from .distill_loss import check_loss_options
 
 __all__ = ["DistillationArguments", "QuantizationArguments"]
 
@@ -203,10 +204,31 @@ class DistillationArguments:
         default=None, metadata={"help": "Path of the teacher model (loaded offline); or pass an nn.Module."}
     )
     temperature: float = field(default=1.0, metadata={"help": "Softmax temperature of the KL term."})
-    kd_loss_weight: float = field(default=1.0, metadata={"help": "Weight of T^2 * KL(teacher || student)."})
+    kd_loss_weight: float = field(
+        default=1.0, metadata={"help": "Weight of the distillation term (T^2 * distill_loss)."}
+    )
     ce_loss_weight: float = field(
         default=0.0, metadata={"help": "Weight of the cross-entropy on the labels."}
     )
+    distill_loss: str = field(
+        default="forward_kl",
+        metadata={"help": "The divergence of the distillation term, each times T^2, with p the teacher's "
+                  "and q the student's softmax(logits / T): forward_kl (default, KL(p || q), the "
+                  "reference's); reverse_kl (KL(q || p)); jsd (generalized Jensen-Shannon with jsd_beta, "
+                  "as TRL's GKD / Liger's JSD: beta KL(p || m) + (1 - beta) KL(q || m), m = beta p + "
+                  "(1 - beta) q); top_k_kl (KL on the teacher's distill_top_k most likely tokens, both "
+                  "renormalized)."},
+    )  # fmt: skip
+    jsd_beta: float = field(
+        default=0.5,
+        metadata={"help": "beta of distill_loss=jsd in [0, 1]: 0 is the forward KL, 1 the reverse KL, 0.5 "
+                  "the symmetric JSD (nvidia-modelopt's liger_jsd_beta)."},
+    )  # fmt: skip
+    distill_top_k: int = field(
+        default=50,
+        metadata={"help": "Tokens (the teacher's most likely at each position) that distill_loss=top_k_kl "
+                  "compares; >= 2."},
+    )  # fmt: skip
     distill_chunk_size: int | None = field(
         default=None,
         metadata={
@@ -228,6 +250,7 @@ class DistillationArguments:
             raise ValueError("kd_loss_weight and ce_loss_weight must be >= 0 and not both 0")
         if self.distill_chunk_size is not None and self.distill_chunk_size < 1:
             raise ValueError(f"distill_chunk_size={self.distill_chunk_size!r} must be None or >= 1")
+        check_loss_options(self.distill_loss, self.jsd_beta, self.distill_top_k)
 
 
 def _learnable(rule: QuantRule) -> QuantRule:

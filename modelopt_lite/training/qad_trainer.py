@@ -1,6 +1,7 @@
 """``QADTrainer``: quantization-aware distillation. The quantized student learns the teacher's
 distribution: ``loss = kd_loss_weight * T^2 * KL(teacher_T || student_T) + ce_loss_weight * CE`` over the
-shifted tokens whose label is not ``-100``.
+shifted tokens whose label is not ``-100`` (``DistillationArguments.distill_loss`` picks another divergence:
+reverse KL, generalized JSD, top-k KL; :mod:`.distill_loss`).
 
 Both models return their last hidden states and no logits (``logits_to_keep`` selects no position); the
 loss runs the two LM heads (:func:`chunked_distillation_loss`). By default on the whole batch at once, the
@@ -168,6 +169,7 @@ class QADTrainer(QATTrainer):
             student_hidden, teacher_hidden, labels, student_head or identity, teacher_head or identity,
             temperature=args.temperature, kd_weight=args.kd_loss_weight, ce_weight=args.ce_loss_weight,
             chunk_size=args.distill_chunk_size, num_items=num_items_in_batch if scaled else None,
+            loss=args.distill_loss, beta=args.jsd_beta, top_k=args.distill_top_k,
         )  # fmt: skip
         if scaled and self.args.average_tokens_across_devices:
             loss = loss * self.accelerator.num_processes

@@ -26,6 +26,7 @@ __all__ = [
     "nvfp4_global_scale",
     "nvfp4_static_fake_quant",
     "nvfp4_static_scales",
+    "nvfp4_static_steps",
     "pack_e2m1",
     "unpack_e2m1",
 ]
@@ -138,15 +139,28 @@ def nvfp4_static_fake_quant(
             f"block amax has {block_amax.numel()} values but the input splits into {blocks.shape[0]} blocks "
             f"of {block_size} (input shape {tuple(x.shape)})"
         )
-    scale = block_amax.to(device=x.device, dtype=torch.float32).reshape(-1, 1) / 6.0
-    grid_amax = global_amax.to(device=x.device, dtype=torch.float32) * (FP8_MAX / fp8_max) / 6.0
-    grid = 448.0 / torch.where(grid_amax <= TINY_AMAX, torch.ones_like(grid_amax), grid_amax)
-    scale = (scale * grid).clamp_(-448.0, 448.0).to(torch.float8_e4m3fn).float() * (1 / grid)
-    zero = scale == 0
-    step = torch.where(zero | ~torch.isfinite(scale), torch.ones_like(scale), scale)
+    step, zero, _ = nvfp4_static_steps(block_amax.to(device=x.device), global_amax.to(x.device), fp8_max)
     mag = e2m1_round(blocks.float().abs() / step).mul_(step)
     out = torch.where(blocks >= 0, mag, -mag).masked_fill_(zero, 0.0)
     return layout.merge(out).to(x.dtype)
+
+
+def nvfp4_static_steps(
+    block_amax: torch.Tensor, global_amax: torch.Tensor, fp8_max: float = FP8_MAX
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The dequantized block scales of static NVFP4 as :func:`nvfp4_static_fake_quant` forms them, one per
+    block as ``(num_blocks, 1)`` float32: ``(step, zero, saturated)``, the step each element of the block is
+    divided by (1 where the FP8 scale is zero or not finite), whether the block's scale rounds to zero (the
+    block quantizes to zero) and whether ``block_amax / 6`` lay above the FP8 grid's 448 (clamped there)."""
+    scale = block_amax.to(dtype=torch.float32).reshape(-1, 1) / 6.0
+    grid_amax = global_amax.to(device=scale.device, dtype=torch.float32) * (FP8_MAX / fp8_max) / 6.0
+    grid = 448.0 / torch.where(grid_amax <= TINY_AMAX, torch.ones_like(grid_amax), grid_amax)
+    on_grid = scale * grid
+    saturated = on_grid.abs() > 448.0
+    scale = on_grid.clamp_(-448.0, 448.0).to(torch.float8_e4m3fn).float() * (1 / grid)
+    zero = scale == 0
+    step = torch.where(zero | ~torch.isfinite(scale), torch.ones_like(scale), scale)
+    return step, zero, saturated
 
 
 def nvfp4_static_scales(

@@ -49,7 +49,20 @@ class QuantizationArguments:
     learn_amax: bool = field(
         default=False,
         metadata={"help": "Train the amax of every static INT / FP8 quantizer of the recipe (per tensor, "
-                  "channel or block) with the model, starting from the calibrated value (LSQ gradient)."},
+                  "channel or block) and the per-block amax (FP8 block scales) of static NVFP4 weights "
+                  "(NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG) with the model, starting from the calibrated value "
+                  "(LSQ gradient; NVFP4's global amax stays fixed, as in the reference's LSQ)."},
+    )  # fmt: skip
+    trainable_params: list[str] | None = field(
+        default=None,
+        metadata={"help": "fnmatch patterns of the parameter names that train; every other parameter is "
+                  "frozen (nvidia-modelopt's trainable_params). Scale-only training of learn_amax: "
+                  "['*weight_quantizer._amax']. Mutually exclusive with frozen_params."},
+    )  # fmt: skip
+    frozen_params: list[str] | None = field(
+        default=None,
+        metadata={"help": "fnmatch patterns of the parameter names that are frozen (nvidia-modelopt's "
+                  "frozen_params); mutually exclusive with trainable_params."},
     )  # fmt: skip
     amax_lr_multiplier: float = field(
         default=1.0,
@@ -124,6 +137,24 @@ class QuantizationArguments:
             or not (math.isfinite(multiplier) and multiplier > 0)
         ):
             raise ValueError(f"amax_lr_multiplier={multiplier!r} must be a positive number")
+        for name in ("trainable_params", "frozen_params"):
+            patterns = getattr(self, name)
+            if patterns is not None and (
+                isinstance(patterns, str)
+                or not patterns
+                or not all(isinstance(p, str) and p for p in patterns)
+            ):
+                raise ValueError(
+                    f"{name}={patterns!r} must be a non-empty list of parameter-name patterns, e.g. "
+                    "['*weight_quantizer._amax']"
+                )
+        if self.trainable_params is not None and self.frozen_params is not None:
+            raise ValueError("trainable_params and frozen_params are mutually exclusive: set one of them")
+        if (self.trainable_params is not None or self.frozen_params is not None) and self.lora:
+            raise ValueError(
+                "trainable_params / frozen_params and lora=True both choose what trains: with LoRA only the "
+                "adapters train; unset one of them"
+            )
         candidates = self.quantize_configs()  # unknown recipe names raise, listing presets and recipes
         if len(candidates) > 1 and self.auto_quantize_bits is None:
             raise ValueError(
@@ -188,8 +219,8 @@ class QuantizationArguments:
     def quantize_config(self, recipe: str | None = None) -> QuantizeConfig:
         """The config the trainers quantize with: the recipe (or ``recipe``; the first candidate under
         ``auto_quantize_bits``), with ``calib_algorithm`` replacing its algorithm and, with ``learn_amax``,
-        ``learn_amax: True`` added to every rule that sets a static INT / FP8 quantizer (rules of NVFP4 /
-        MX / dynamic quantizers are kept as written)."""
+        ``learn_amax: True`` added to every rule that sets a static INT / FP8 or static NVFP4 quantizer
+        (rules of dynamic NVFP4 / MX / dynamic quantizers are kept as written)."""
         config = resolve_config(recipe or self.recipe.split(",")[0].strip())
         if self.calib_algorithm is not None and self.calib_algorithm != config.algorithm_name:
             config = QuantizeConfig(config.quant_cfg, self.calib_algorithm)

@@ -47,6 +47,7 @@ from .calib_data import calibration_samples, check_training_data
 from .callbacks import _AmaxCheckCallback, _GCCallback
 from .checkpoints import CompleteCheckpointCallback, load_finished, resolve_checkpoint, trained_steps
 from .gc_policy import GCPolicy
+from .trainable import choose_trainable, unify_learned_static_scales
 
 __all__ = ["QATTrainer"]
 
@@ -196,6 +197,8 @@ class QATTrainer(Trainer):
         quantize(model, config, batches, self.quant_args.experts_implementation)
         self._quantized_by_me = True
         warn_unquantized_adapters(model)
+        if self.quant_args.learn_amax:
+            unify_learned_static_scales(model)
 
     def _auto_quantize(self) -> None:
         """``mtq.auto_quantize`` among the recipe's candidates under ``auto_quantize_bits``, calibrated and
@@ -236,6 +239,13 @@ class QATTrainer(Trainer):
         optimizer = super().create_optimizer(model)
         amax = learnable_amax_parameters(self.model if model is None else model)
         self._amax_params = {n: p for n, p in amax.items() if p.requires_grad}
+        if self.quant_args.learn_amax and not amax and not had_optimizer:
+            logger.warning(
+                "learn_amax=True but the model has no learnable amax (recipe %s: dynamic NVFP4 / MX block "
+                "scales and dynamic scales have none): the scales stay as calibrated; for learned NVFP4 "
+                "block scales use a static NVFP4 weight recipe (NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG)",
+                self.quant_args.recipe,
+            )
         if had_optimizer or not self._amax_params:
             return optimizer
         ids = {id(p) for p in self._amax_params.values()}
@@ -359,6 +369,7 @@ class QATTrainer(Trainer):
                 return load_finished(self, resume_from_checkpoint)
         else:
             self.quantize_model()
+        choose_trainable(self.accelerator.unwrap_model(self.model), self.quant_args)
         try:
             return super().train(resume_from_checkpoint, *args, **kwargs)
         finally:

@@ -296,7 +296,7 @@ class TensorQuantizer(ReferenceQuantizerMethods, QuantizerCalibration, Quantizer
         x = x if bias is None else x - bias
         try:
             if self._attrs.learn_amax:
-                out = fake_quant_learnable(x, self._spec, amax)
+                out = fake_quant_learnable(x, self._spec, amax, self._global_amax)
             else:
                 clip = self._attrs.backward == "clipped"
                 share = bias is None and self.share_outputs and shared_outputs.shareable(x)

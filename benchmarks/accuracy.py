@@ -39,15 +39,20 @@ Rows. PTQ (fake quant, calibrated on the same windows):
 * ``nvfp4_nokv``: ``NVFP4_DEFAULT_CFG`` as it is (W4A4, KV cache unquantized), ``fp8``: ``FP8_DEFAULT_CFG``
   (W8A8 FP8, per-tensor amax): the formats of the side-by-side with the peers (``benchmarks/peers.py``);
   ``nvfp4_nokv_awq`` / ``_rot`` / ``_46``: that row with AWQ-lite / the rotation / adaptive block scales;
-  ``nvfp4_nokv_aq``: ``mtq.auto_quantize`` over NVFP4 W4A4, FP8 and unquantized per layer at
-  :data:`AQ_BITS` weight bits per parameter of the decoder's linear layers (``lm_head``, unquantized, is
-  left out of the budget; gradient score on the first
+  ``nvfp4_nokv_mse``: ``NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG`` (static weight block scales from an MSE search
+  over the FP8 scale grid, activations dynamic; issue 44); ``nvfp4_nokv_aq``: ``mtq.auto_quantize`` over
+  NVFP4 W4A4, FP8 and unquantized per layer at :data:`AQ_BITS` weight bits per parameter of the decoder's
+  linear layers (``lm_head``, unquantized, is left out of the budget; gradient score on the first
   :data:`AQ_SCORE_BATCHES` calibration batches).
 
 Training (each from a copy of its PTQ row, so the trainer skips calibration and recovery compares against
 exactly that row): ``qat X`` = ``QATTrainer`` (cross-entropy), ``qad X`` = ``QADTrainer`` with the
 unquantized model as the frozen teacher (KL at ``--temperature``, plus ``--ce-weight`` x CE, 0 by default);
-``+la`` rows make every static amax learnable (``learn_amax``, lr x ``--amax-lr-multiplier``); ``ft`` = the
+``+la`` rows make every static amax learnable (``learn_amax``, lr x ``--amax-lr-multiplier``; on
+``nvfp4_nokv_mse``, the static weight block scales of ``NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG``), ``+la_only``
+the same with only those amax training (``trainable_params``, weights frozen); ``+rkl`` / ``+jsd`` /
+``+topk`` QAD rows distill with the reverse KL / generalized JSD (``--jsd-beta``) / top-k KL
+(``--distill-top-k``) instead of the forward KL (``DistillationArguments.distill_loss``); ``ft`` = the
 unquantized model fine-tuned with a plain ``Trainer`` and the same budget and lr (the control of QAT).
 Budget: ``--steps`` optimizer steps of ``--batch-size`` x ``--seq-len`` tokens, AdamW (weight decay 0),
 peak ``--lr`` (QAD rows: ``--qad-lr``), linear warm-up over 10%,
@@ -98,12 +103,14 @@ PTQ_ROWS = (
 )
 # real-model lever starts (not in the default --ptq): AWQ-lite, the residual rotation, adaptive block scales,
 # each on NVFP4 W4A4 with the KV cache unquantized
-LEVER_PTQ_ROWS = ("nvfp4_nokv_awq", "nvfp4_nokv_rot", "nvfp4_nokv_46", "nvfp4_nokv_aq")
+LEVER_PTQ_ROWS = ("nvfp4_nokv_awq", "nvfp4_nokv_rot", "nvfp4_nokv_46", "nvfp4_nokv_aq", "nvfp4_nokv_mse")
 AQ_BITS = 5.0  # the nvfp4_nokv_aq row's auto_quantize budget (NVFP4 W4A4 alone is 4.5, FP8 alone 8)
 AQ_SCORE_BATCHES = 4
+# the +LOSS suffixes of QAD rows -> DistillationArguments.distill_loss
+LOSS_ROWS = {"rkl": "reverse_kl", "jsd": "jsd", "topk": "top_k_kl"}
 # training rows, "MODE PTQ-ROW [+LEVER]": QAT or QAD from that PTQ row (+la: learnable amax)
 TRAIN_ROWS: dict[str, tuple[str, str, bool]] = {
-    name: (name.split()[0], name.split()[1], name.endswith("+la"))
+    name: (name.split()[0], name.split()[1], name.endswith(("+la", "+la_only")))
     for name in (
         "qat nvfp4", "qad nvfp4", "qad w4a16_nvfp4", "qad a_nvfp4", "qad nvfp4_rot", "qad nvfp4_awq",
         "qat nvfp4_46", "qad nvfp4_46", "qat int4", "qad int4", "qad int4 +la", "qad int4_awq",
@@ -117,9 +124,22 @@ TRAIN_ROWS: dict[str, tuple[str, str, bool]] = {
         # the base compressed to its real format (mtq.compress)
         *(f"{m} {f} +{kind}" for m in ("qad", "qat") for f in ("nvfp4_nokv", "int4")
           for kind in ("lora8", "lora32", "lora128", "lora32s", "qlora32")),
+        # NVFP4 W4A4 levers (issue 44): static MSE / FP8-sweep weight block scales as they are, learned with
+        # the weights (+la), learned alone with the weights frozen (+la_only, the reference's scale-only
+        # QAD); the distillation divergences (+rkl reverse KL, +jsd with --jsd-beta, +topk with
+        # --distill-top-k) on the plain and the static-scale start
+        "qad nvfp4_nokv_mse", "qad nvfp4_nokv_mse +la", "qad nvfp4_nokv_mse +la_only",
+        *(f"qad {f} +{loss}" for f in ("nvfp4_nokv", "nvfp4_nokv_mse") for loss in LOSS_ROWS),
     )
 }  # fmt: skip
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def loss_of(row: str) -> str:
+    """The ``DistillationArguments.distill_loss`` of a training row (``+rkl`` / ``+jsd`` / ``+topk``; else the
+    default forward KL)."""
+    suffix = row.rsplit("+", 1)[-1] if "+" in row else ""
+    return LOSS_ROWS.get(suffix, "forward_kl")
 
 
 def lora_of(row: str) -> tuple[int, str, bool] | None:
@@ -153,6 +173,7 @@ LEVER_OF = {
     "nvfp4_nokv_rot": "nvfp4_nokv",
     "nvfp4_nokv_46": "nvfp4_nokv",
     "nvfp4_nokv_aq": "nvfp4_nokv",
+    "nvfp4_nokv_mse": "nvfp4_nokv",
 }
 TARGETS = {"qat nvfp4": 0.70, "qad nvfp4": 0.85}
 REAL = ("smollm2-135m", "gemma3-270m", "qwen2.5-coder-1.5b")  # modelopt_lite.models.REAL_MODELS: compare()
@@ -211,6 +232,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="peak learning rate of the +lora rows (default: as QAD / QAT)",
     )
     p.add_argument("--amax-lr-multiplier", type=float, default=1.0, help="lr of learnable amax (+la rows)")
+    p.add_argument(
+        "--jsd-beta", type=float, default=0.5, help="beta of the +jsd rows (0 forward, 1 reverse KL)"
+    )
+    p.add_argument("--distill-top-k", type=int, default=50, help="teacher tokens compared by the +topk rows")
     p.add_argument("--seeds", default="0", help="comma-separated Trainer seeds (the first runs every row)")
     p.add_argument(
         "--seeded-rows",
@@ -297,6 +322,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--ce-weight must be >= 0")
     if args.distill_chunk_size is not None and args.distill_chunk_size < 1:
         p.error("--distill-chunk-size must be >= 1")
+    if not 0 <= args.jsd_beta <= 1 or args.distill_top_k < 2:
+        p.error("--jsd-beta must lie in [0, 1] and --distill-top-k be >= 2")
     if not args.seeds or any(b < 1 for b in args.budgets):
         p.error("--seeds needs at least one seed; --budgets must be positive")
     return args
@@ -358,6 +385,8 @@ def ptq_config(row: str) -> dict[str, Any]:
         return build_config("nvfp4_awq")
     if row == "nvfp4_nokv_46":
         return mtq.get_preset("NVFP4_FOUR_OVER_SIX_CFG")
+    if row == "nvfp4_nokv_mse":  # static weight block scales: MSE over the FP8 scale grid (issue 44)
+        return mtq.get_preset("NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG")
     if row == "nvfp4_awq":
         return build_config("nvfp4_awq", "fp8")
     if row == "nvfp4_46":
@@ -418,6 +447,9 @@ def make_amax_learnable(student: Any) -> int:
             "a +la row, but no enabled quantizer of this model has a static amax to learn (NVFP4 / MX block "
             "scales and dynamic scales have none): the row would repeat the row without +la"
         )
+    from modelopt_lite.training.trainable import unify_learned_static_scales
+
+    unify_learned_static_scales(student)  # as QATTrainer does before learning static NVFP4 block scales
     return count
 
 
@@ -459,6 +491,7 @@ def _train(
     freeze_embeddings: bool = False,
     lr: float | None = None,
     lora: tuple[int, str, bool] | None = None,
+    row: str = "",
 ) -> tuple[Any, dict[str, Any]]:
     from transformers import Trainer
 
@@ -495,6 +528,8 @@ def _train(
             recipe="NVFP4_DEFAULT_CFG",
             amax_lr_multiplier=args.amax_lr_multiplier,
             lora_deploy=lora[1] if lora else "auto",
+            # +la_only: the scales alone train (the reference's scale-only QAD)
+            trainable_params=["*weight_quantizer._amax"] if row.endswith("+la_only") else None,
         )
         if mode == "ft":
             trainer: Any = Trainer(**{k: v for k, v in common.items() if k != "lora_config"})
@@ -506,6 +541,9 @@ def _train(
                 kd_loss_weight=1.0,
                 ce_loss_weight=args.ce_weight,
                 distill_chunk_size=args.distill_chunk_size,
+                distill_loss=loss_of(row),
+                jsd_beta=args.jsd_beta,
+                distill_top_k=args.distill_top_k,
             )
             trainer = QADTrainer(**common, quant_args=quant, distill_args=distill, teacher_model=teacher)
         return run_training(trainer)
@@ -663,7 +701,7 @@ def measure(kind: str, args: argparse.Namespace) -> dict[str, Any]:
         frozen = name.endswith("+frozen_emb")
         model, stats = _train(
             mode, copy.deepcopy(model0), teacher, train_set, tokenizer, args, steps, seed, learn, frozen, lr,
-            lora_of(name),
+            lora_of(name), name,
         )  # fmt: skip
         row = add(
             name if lr is None else f"{name} lr {lr:g}",

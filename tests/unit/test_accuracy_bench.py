@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import sys
 from pathlib import Path
 
@@ -128,3 +129,32 @@ def test_a_qlora_row_trains_adapters_on_the_compressed_base(monkeypatch) -> None
     assert {n for n, p in model.named_parameters() if p.requires_grad} == {
         n for n, p in model.named_parameters() if "lora_" in n
     }
+
+
+def test_issue_44_rows_set_the_loss_and_the_learned_static_scales(monkeypatch) -> None:
+    """``+rkl`` / ``+jsd`` / ``+topk`` reach DistillationArguments.distill_loss; ``nvfp4_nokv_mse`` is the
+    static MSE-scale preset, whose ``+la`` rows learn its weight block scales, ``+la_only`` nothing else."""
+    rows = ["qad nvfp4_nokv +rkl", "qad nvfp4_nokv_mse +jsd", "qad nvfp4_nokv_mse +la_only"]
+    args = accuracy.parse_args(["--models", "smollm2-135m", "--ptq", "nvfp4_nokv,nvfp4_nokv_mse",
+                                "--rows", ",".join(rows), "--jsd-beta", "0.3"])  # fmt: skip
+    assert accuracy.TRAIN_ROWS["qad nvfp4_nokv_mse +la"] == ("qad", "nvfp4_nokv_mse", True)
+    assert accuracy.TRAIN_ROWS["qad nvfp4_nokv_mse +la_only"] == ("qad", "nvfp4_nokv_mse", True)
+    assert accuracy.loss_of("qad nvfp4_nokv") == "forward_kl"
+    seen: list = []
+    monkeypatch.setattr(accuracy, "run_training", lambda t: seen.append(t) or (None, {}))
+    base, calib = tiny_llama(seed=0), batches(n=2)
+    student = accuracy.ptq_model("nvfp4_nokv_mse", base, calib)
+    assert student.model.layers[0].mlp.down_proj.weight_quantizer.spec.static_nvfp4
+    for row in rows:
+        accuracy._train("qad", copy.deepcopy(student), base, [], None, args, 2, 0,
+                        learn_amax=row.endswith("+la_only"), row=row)  # fmt: skip
+    assert [t.distill_args.distill_loss for t in seen] == ["reverse_kl", "jsd", "forward_kl"]
+    assert seen[1].distill_args.jsd_beta == 0.3
+    scale_only = seen[2]
+    scale_only.model.train()
+    from modelopt_lite.training.trainable import choose_trainable
+
+    choose_trainable(scale_only.model, scale_only.quant_args)  # what its train() does first
+    trainable = {n for n, p in scale_only.model.named_parameters() if p.requires_grad}
+    assert trainable
+    assert all(n.endswith("weight_quantizer._amax") for n in trainable)

@@ -82,7 +82,12 @@ __all__ = [
     "table",
 ]
 #: KV-cache rows: name -> (qformat, kv_cache_qformat)
-KV_ROWS = {"nvfp4+fp8kv": ("nvfp4", "fp8"), "nvfp4+nvfp4kv": ("nvfp4", "nvfp4"), "fp8+fp8kv": ("fp8", "fp8")}
+KV_ROWS = {
+    "nvfp4+fp8kv": ("nvfp4", "fp8"),
+    "nvfp4+nvfp4kv": ("nvfp4", "nvfp4"),
+    "fp8+fp8kv": ("fp8", "fp8"),
+    "nvfp4+fp8affinekv": ("nvfp4", "fp8_affine"),
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

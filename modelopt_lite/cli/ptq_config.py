@@ -27,7 +27,17 @@ QFORMATS = {
     "mxfp4": "MXFP4_DEFAULT_CFG",
 }
 NOT_EXPORTABLE = {"mxfp4"}  # no deployable tensor layout in the export (yet)
-KV_FORMATS = {"none": None, "fp8": "FP8_KV_CFG", "nvfp4": "NVFP4_KV_CFG"}
+#: ``--kv_cache_qformat`` names (the reference's ``hf_ptq`` choices) -> KV preset. ``*_affine``: a static
+#: bias per KV head and channel is subtracted before quantizing (keys with a large, nearly constant offset,
+#: as Qwen2's k_proj bias gives, keep their token-dependent part); ``nvfp4_rotate``: keys Hadamard-rotated.
+KV_FORMATS = {
+    "none": None,
+    "fp8": "FP8_KV_CFG",
+    "fp8_affine": "FP8_AFFINE_KV_CFG",
+    "nvfp4": "NVFP4_KV_CFG",
+    "nvfp4_affine": "NVFP4_AFFINE_KV_CFG",
+    "nvfp4_rotate": "NVFP4_KV_ROTATE_CFG",
+}
 
 
 def _algorithm_name(cfg: dict[str, Any]) -> str:

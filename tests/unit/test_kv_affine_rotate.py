@@ -327,3 +327,25 @@ def test_export_refuses_what_the_checkpoint_cannot_record(tmp_path):
     )
     with pytest.raises(UnsupportedFormatError, match="Hadamard rotation"):
         mte.export_hf_checkpoint(mtq.quantize(tiny_llama(), rotated, batches()), export_dir=tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("name", "affine", "rotate"),
+    [("fp8_affine", True, False), ("nvfp4_affine", True, False), ("nvfp4_rotate", False, True)],
+)
+def test_the_ptq_command_line_takes_the_references_kv_cache_names(tmp_path, name, affine, rotate):
+    """--kv_cache_qformat fp8_affine / nvfp4_affine / nvfp4_rotate, as the reference's hf_ptq names them: a
+    model quantized with the built config has a static bias on its K / V quantizers (or rotated keys)."""
+    from modelopt_lite.cli.ptq import build_config, parse_args
+
+    argv = ["--pyt_ckpt_path", str(tmp_path), "--qformat", "fp8", "--kv_cache_qformat", name]
+    assert parse_args([*argv, "--export_path", str(tmp_path / "out")]).kv_cache_qformat == name
+    model = tiny_llama()
+    mtq.quantize(model, build_config("fp8", name), batches())
+    attn = model.model.layers[0].self_attn
+    for slot in ("k_bmm_quantizer", "v_bmm_quantizer"):
+        q = getattr(attn, slot)
+        assert q.is_enabled
+        assert (q.bias_value is not None) == affine, slot
+    assert (attn.k_bmm_quantizer.attributes.rotation() is not None) == rotate
+    assert not attn.q_bmm_quantizer.is_enabled

@@ -113,3 +113,41 @@ def test_report_merges_runs_on_the_same_windows() -> None:
     assert merged["comparison"][0]["name"] == "fp8"
     with pytest.raises(ValueError, match="differ"):
         real_ptq.merge([a, _run([], [], ppl=29.0)])
+
+
+def test_kv_cache_probe_finds_the_layer_whose_key_bias_fp8_rounds_away(tmp_path: Path) -> None:
+    """``benchmarks/kv_cache_probe.py`` on a tiny Llama with q/k/v biases and one large k_proj bias in layer
+    0 (as Qwen2.5's): that layer's K amax is the bias; leaving its K unquantized, or the affine KV preset,
+    brings the KL back near V-only's, while K+V and K-only lose far more."""
+    import kv_cache_probe
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=128,
+                      attention_bias=True, rope_theta=1e6)  # fmt: skip
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # the lowest-frequency RoPE channels of head 0: nearly constant over 32 tokens
+        attn = model.model.layers[0].self_attn
+        channels = [6, 7, 14, 15]
+        attn.k_proj.bias[channels] = torch.tensor([-300.0, 290.0, 280, -310])
+        attn.k_proj.weight[channels] *= 40  # their token-dependent part: a few units, below FP8's step there
+        attn.q_proj.bias[channels] = 20.0  # and the queries read it
+    model.save_pretrained(tmp_path / "m")
+    gen = torch.Generator().manual_seed(1)
+    calib = torch.randint(0, VOCAB, (4, 32), generator=gen)
+    test = torch.randint(0, VOCAB, (2, 32), generator=gen)
+    save_file({"calib": calib, "test": test}, str(tmp_path / "data.safetensors"))
+    peer.write_reference(model, test, tmp_path / "reference_logprobs", 4)
+    out = kv_cache_probe.main(["--model-dir", str(tmp_path / "m"), "--workdir", str(tmp_path),
+                               "--json", str(tmp_path / "p.json")])  # fmt: skip
+    assert json.loads((tmp_path / "p.json").read_text())["rows"] == out["rows"]
+    layers = out["layers"]
+    assert layers[0]["k_amax"] > 250 > 10 * layers[1]["k_amax"]
+    assert layers[0]["k_proj_bias_max"] == pytest.approx(310)
+    kl = {r["name"].split(" (")[0]: r["kl"] for r in out["rows"]}
+    assert kl["K+V"] > 10 * kl["V only"]
+    assert kl["K only"] > 10 * kl["V only"]
+    assert kl["K+V, K of layer(s) 0 unquantized"] < 0.2 * kl["K+V"]
+    assert kl["K+V affine"] < 0.2 * kl["K+V"]

@@ -5,7 +5,10 @@ Published in ``docs/training.md``, "Killed at any moment" (the table and its com
 
     python benchmarks/faults.py --kills 20 --json faults.json
 
-(``--quick``: 2 kills per phase and mode, a smoke run).
+(``--quick``: 2 kills per phase and mode, a smoke run). Not run by default, each described in its module:
+
+    python benchmarks/faults.py --modes convert --kills 20     # _faults_convert.py: SmolLM2-135M converted
+    python benchmarks/faults.py --modes ddp,fsdp2 --kills 20   # _faults_dist.py: torchrun, rank 1 dies
 
 Workload (one child process per run, ``--threads`` each): a tiny Llama built from a config (hidden 64, 2
 layers, vocabulary 128, seed 0), INT4 block-wise weights with learnable amax (``QATTrainer``) or NVFP4 W4A4
@@ -261,6 +264,9 @@ def main(argv: list[str] | None = None) -> dict:
                 print(
                     h.table_row(mode, phase, r["kills"], r["exact"], r["failed_or_partial"], r["not_killed"])
                 )
+    for mode, res in result.items():
+        if "death_to_exit_s" in res:
+            print(f"{mode}: rank 1's death to the job's exit, min / median / max: {res['death_to_exit_s']} s")
     out = {**h.run_meta(__file__, argv, time.time() - start), "kills_per_phase": kills, "modes": result}
     h.write_json(args.json, out)
     return out

@@ -5,8 +5,9 @@ One child process per call, with ``MODELOPT_LITE_CACHE`` pointed at a folder of 
 conversion gives the reference (the SHA-256 of every file of the cached checkpoint) and its duration (from
 the call of ``real_model_path`` to its return; transformers and gguf are imported before); each trial arms a
 SIGKILL timer on entering that call, after a delay drawn uniformly from the reference's duration, then
-converts again ("resumed"). Counted: kills,
-resumes whose cached checkpoint equals the reference file for file, and runs that failed or left something
+converts again ("resumed"). Counted: kills (a kill that came after the call had returned, in a run faster
+than the reference, is flagged ``after_the_call_returned``), resumes whose cached checkpoint equals the
+reference file for file, and runs that failed or left something
 half-written: a second call that raised, anything a converter stages left in the cache after it
 (``.partial-``, ``.joined.gguf``, ``.old-``), or a checkpoint folder visible after the kill that was not the
 complete one (no ``real_model.json``, or files that differ: the second call would have reused it).
@@ -134,6 +135,7 @@ def measure(
             shutil.rmtree(out, ignore_errors=True)
             continue
         row["kills"] += 1
+        returned = "done" in _marks(out)  # (killed after real_model_path had returned: a faster run)
         after_kill = cache_state(out)
         visible = digest(out)
         # a folder visible after the kill is what a second call reuses: it must be the whole reference
@@ -145,11 +147,13 @@ def measure(
         row["exact"] += exact
         row["failed_or_partial"] += bad
         trials.append({
-            "delay_s": round(delay, 3), "left_by_the_kill": after_kill, "resume_rc": code, "exact": exact,
-            "left_after_resume": after, **({"resume_error": err} if code else {}),
+            "delay_s": round(delay, 3), "after_the_call_returned": returned, "left_by_the_kill": after_kill,
+            "resume_rc": code, "exact": exact, "left_after_resume": after,
+            **({"resume_error": err} if code else {}),
         })  # fmt: skip
         left = after_kill["staging"] or list(after_kill["checkpoints"]) or ["nothing"]
-        h.log(f"convert #{i}: killed after {delay:.2f} s, left {left}; converted again exact={exact}")
+        when = " (after the call returned)" if returned else ""
+        h.log(f"convert #{i}: killed after {delay:.2f} s{when}, left {left}; converted again exact={exact}")
         shutil.rmtree(out, ignore_errors=True)  # (each cached checkpoint is hundreds of MB)
         if progress is not None:
             progress(result)

@@ -5,7 +5,10 @@ Published in ``docs/training.md``, "Killed at any moment" (the table and its com
 
     python benchmarks/faults.py --kills 20 --json faults.json
 
-(``--quick``: 2 kills per phase and mode, a smoke run).
+(``--quick``: 2 kills per phase and mode, a smoke run). Not run by default, each described in its module:
+
+    python benchmarks/faults.py --modes convert --kills 20     # _faults_convert.py: SmolLM2-135M converted
+    python benchmarks/faults.py --modes ddp,fsdp2 --kills 20   # _faults_dist.py: torchrun, rank 1 dies
 
 Workload (one child process per run, ``--threads`` each): a tiny Llama built from a config (hidden 64, 2
 layers, vocabulary 128, seed 0), INT4 block-wise weights with learnable amax (``QATTrainer``) or NVFP4 W4A4
@@ -40,10 +43,13 @@ import threading
 import time
 from pathlib import Path
 
+import _faults_convert
+import _faults_dist
 import _harness as h
 
 PHASES = ("calibration", "training", "checkpoint", "export")
 MODES = ("qat", "qad")
+MORE_MODES = ("convert", "ddp", "fsdp2")  # (benchmarks/_faults_convert.py, _faults_dist.py; not by default)
 STEPS, SAVE_EVERY = 6, 2
 
 
@@ -199,17 +205,26 @@ def measure_mode(
 def main(argv: list[str] | None = None) -> dict:
     p = h.common(h.parser(__doc__), threads=1, seed=0, quick="2 kills per phase and mode", json="the numbers")
     p.add_argument("--kills", type=int, default=20, help="kills per phase and mode")
-    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--modes", default=",".join(MODES), help=f"from {[*MODES, *MORE_MODES]}")
+    p.add_argument("--gguf", default="smollm2-135m", help="convert: the real model (a name or a .gguf file)")
     p.add_argument("--phases", default=",".join(PHASES), help="the phases to kill in")
     p.add_argument("--workdir", help="keep the runs here (default: a temporary folder)")
     p.add_argument("--child", metavar="OUT", help=argparse.SUPPRESS)
+    p.add_argument("--dist-child", metavar="OUT", help=argparse.SUPPRESS)
     p.add_argument("--mode", default="qat", help=argparse.SUPPRESS)
     p.add_argument("--resume", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--kill", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.dist_child:  # one rank of a torchrun job
+        h.pin_threads(args.threads)
+        _faults_dist.worker(Path(args.dist_child), args.mode, args.resume, args.kill)
+        return {}
     if args.child:
         h.pin_threads(args.threads)
         Path(args.child).mkdir(parents=True, exist_ok=True)
+        if args.mode == "convert":
+            _faults_convert.child(Path(args.child), args.gguf, args.kill)
+            return {}
         _child(Path(args.child), args.mode, args.resume, args.kill)
         return {}
     import tempfile
@@ -221,7 +236,23 @@ def main(argv: list[str] | None = None) -> dict:
     phases = tuple(h.csv(args.phases))
     if set(phases) - set(PHASES):
         p.error(f"--phases from {list(PHASES)}")
-    result = {mode: measure_mode(mode, kills, args.threads, work, rng, phases) for mode in h.csv(args.modes)}
+    modes = h.csv(args.modes)
+    if set(modes) - {*MODES, *MORE_MODES}:
+        p.error(f"--modes from {[*MODES, *MORE_MODES]}")
+    result: dict[str, dict] = {}
+
+    def progress(partial: dict) -> None:  # what is measured so far (a run stopped early keeps it)
+        meta = h.run_meta(__file__, argv, time.time() - start)
+        h.write_json(args.json, {**meta, "partial": True, "kills_per_phase": kills,
+                                 "modes": {**result, mode: partial}})  # fmt: skip
+
+    for mode in modes:
+        if mode == "convert":
+            result[mode] = _faults_convert.measure(args.gguf, kills, args.threads, work, rng, progress)
+        elif mode in _faults_dist.SETTINGS:
+            result[mode] = _faults_dist.measure(mode, kills, work, rng, progress)
+        else:
+            result[mode] = measure_mode(mode, kills, args.threads, work, rng, phases)
     print(
         h.table_head(
             "| mode | phase | kills | resumed bit-exact | failed or half-written | not killed (ended first) |"
@@ -233,6 +264,9 @@ def main(argv: list[str] | None = None) -> dict:
                 print(
                     h.table_row(mode, phase, r["kills"], r["exact"], r["failed_or_partial"], r["not_killed"])
                 )
+    for mode, res in result.items():
+        if "death_to_exit_s" in res:
+            print(f"{mode}: rank 1's death to the job's exit, min / median / max: {res['death_to_exit_s']} s")
     out = {**h.run_meta(__file__, argv, time.time() - start), "kills_per_phase": kills, "modes": result}
     h.write_json(args.json, out)
     return out

@@ -10,6 +10,7 @@ from .comm import (
     broadcast_tensors,
     check_same_on_all_ranks,
     is_distributed,
+    naming_lost_rank,
     rank,
     world_size,
 )
@@ -27,6 +28,7 @@ __all__ = [
     "has_offloaded_weights",
     "is_distributed",
     "is_sharded",
+    "naming_lost_rank",
     "rank",
     "shard_frozen",
     "unsharded_class",

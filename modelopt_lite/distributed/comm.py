@@ -2,6 +2,8 @@
 
 * :func:`all_ranks_succeed`: a block that every rank enters; on exit all ranks agree whether one of them
   raised, so a failure on one rank becomes an error on every rank instead of a hang at the next collective;
+* :func:`naming_lost_rank`: a collective that fails inside the block because a peer went away (its process
+  died) raises :class:`RankFailedError` naming the phase instead of the backend's bare transport error;
 * :func:`check_same_on_all_ranks`: refuse to go on when ranks disagree (e.g. on the set of quantizers);
 * :func:`all_reduce_max`: element-wise max of named tensors across ranks, where a rank may lack some of
   them (an expert that saw no tokens there);
@@ -32,6 +34,7 @@ __all__ = [
     "broadcast_tensors",
     "check_same_on_all_ranks",
     "is_distributed",
+    "naming_lost_rank",
     "rank",
     "world_size",
 ]
@@ -91,10 +94,36 @@ def _agree(failed: torch.Tensor, what: str, timeout: float | None) -> None:
     try:
         dist.all_reduce(failed, op=dist.ReduceOp.MAX)
     except RuntimeError as err:  # (gloo: a peer's process ended, its connection closed)
-        raise RankFailedError(
-            f"{what}: rank {rank()} lost contact with another rank, which probably died (the launcher's "
-            f"summary names it): {err}"
-        ) from err
+        raise _lost(what, err) from err
+
+
+def _lost(what: str, err: BaseException) -> RankFailedError:
+    return RankFailedError(
+        f"{what}: rank {rank()} lost contact with another rank, which probably died (the launcher's summary "
+        f"names it): {err}"
+    )
+
+
+def _peer_lost(err: BaseException) -> bool:
+    """Whether ``err`` is a collective's failure: torch's ``DistBackendError`` (NCCL), or the transport error
+    gloo raises as a plain ``RuntimeError`` when a peer's connection closes (``.../gloo/transport/...:
+    Connection reset by peer``)."""
+    return isinstance(err, dist.DistBackendError) or (
+        isinstance(err, RuntimeError) and "/gloo/transport/" in str(err)
+    )
+
+
+@contextmanager
+def naming_lost_rank(what: str) -> Iterator[None]:
+    """Run the block; a collective inside it that fails because another rank went away (a process killed,
+    out of memory) raises :class:`RankFailedError` naming ``what`` (``"training step 5"``) and this rank,
+    chained to the backend's error. Other errors pass unchanged; nothing happens in a single process."""
+    try:
+        yield
+    except RuntimeError as err:
+        if not (is_distributed() and _peer_lost(err)):
+            raise
+        raise _lost(what, err) from err
 
 
 def check_same_on_all_ranks(value: Any, what: str) -> None:

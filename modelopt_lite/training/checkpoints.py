@@ -28,7 +28,7 @@ from transformers import Trainer, TrainerCallback, TrainerState
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput
 
-from ..distributed import is_distributed
+from ..distributed import is_distributed, naming_lost_rank
 from ..logging import get_logger
 from ..opt.checkpoint import STATE_FILE
 
@@ -145,10 +145,9 @@ class CompleteCheckpointCallback(TrainerCallback):
     has written its part)."""
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if (
-            is_distributed()
-        ):  # every rank writes files of its own (rng_state_<rank>.pth, shards): wait for all
-            torch.distributed.barrier()
+        if is_distributed():  # every rank writes files of its own (rng_state_<rank>.pth, shards): wait
+            with naming_lost_rank(f"writing {PREFIX_CHECKPOINT_DIR}-{state.global_step}"):
+                torch.distributed.barrier()
         if not args.should_save:
             return
         folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"

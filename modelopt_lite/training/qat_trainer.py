@@ -29,7 +29,7 @@ from transformers import Trainer
 
 from ..allocator import MallocPolicy
 from ..data import check_sequence_length
-from ..distributed import all_ranks_succeed, is_sharded, rank, unsharded_class, world_size
+from ..distributed import all_ranks_succeed, is_sharded, naming_lost_rank, rank, unsharded_class, world_size
 from ..export.shards import ShardWriter
 from ..logging import get_logger
 from ..nn.lora import is_peft_model, lora_deploy
@@ -378,7 +378,9 @@ class QATTrainer(Trainer):
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any):
         check_sequence_length(self.model, inputs.get("input_ids"), "training data")
         self.gc_policy.before_step()
-        return super().training_step(model, inputs, *args, **kwargs)
+        # a rank that died mid-step fails DDP's / FSDP's collectives here: say so, with the step
+        with naming_lost_rank(f"training step {self.state.global_step + 1}"):
+            return super().training_step(model, inputs, *args, **kwargs)
 
     def prediction_step(self, *args: Any, **kwargs: Any):
         self.gc_policy.evaluation_step()

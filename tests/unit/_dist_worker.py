@@ -327,7 +327,8 @@ def lora_ddp(kind: str, out: Path, rank: int) -> None:
 
 def lost_rank(kind: str, out: Path, rank: int) -> None:
     """QATTrainer under torchrun where rank 1 dies (SIGKILL, after writing the time to ``died``) in the
-    phase ``kind``: ``calibration`` (its first calibration forward) or ``training`` (after step 1)."""
+    phase ``kind``: ``calibration`` (its first calibration forward), ``training`` (after step 1) or
+    ``training_step`` (in the forward of step 2, so that the survivor fails in DDP's collectives)."""
     import signal
     import time
 
@@ -340,20 +341,24 @@ def lost_rank(kind: str, out: Path, rank: int) -> None:
         (out / "died").write_text(repr(time.time()))
         os.kill(os.getpid(), signal.SIGKILL)
 
+    armed = [kind == "calibration"]
+
     class DieAfterStep(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             if rank == 1 and state.global_step == 1:
-                die()
+                if kind == "training":
+                    die()
+                armed[0] = True  # training_step: in the next forward
 
     model = tiny_llama()
-    if kind == "calibration" and rank == 1:
-        model.register_forward_pre_hook(lambda *_: die())
+    if kind in ("calibration", "training_step") and rank == 1:
+        model.register_forward_pre_hook(lambda *_: die() if armed[0] else None)
     trainer = QATTrainer(
         model=model,
         args=cpu_args(out / "run", max_steps=3, per_device_train_batch_size=2),
         train_dataset=CountingData(),
         quant_args=QuantizationArguments(recipe="NVFP4_DEFAULT_CFG", calib_size=8),
-        callbacks=[DieAfterStep()] if kind == "training" else [],
+        callbacks=[DieAfterStep()] if kind.startswith("training") else [],
     )
     trainer.train()
 

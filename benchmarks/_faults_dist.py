@@ -1,0 +1,231 @@
+"""``benchmarks/faults.py --modes ddp,fsdp2``: a 2-process QAT run (``torchrun --standalone
+--nproc_per_node 2``, gloo, one thread per rank) where rank 1 SIGKILLs itself at a random moment of the
+training phase.
+
+Workload: the tiny Llama of the single-process modes, INT4 block-wise weights with learnable amax
+(``QATTrainer``), 6 steps of 2 x 16 tokens per rank, a checkpoint every 2 steps. ``ddp``: what accelerate
+builds under torchrun on CPU (DDP). ``fsdp2``: the same trainer with FSDP2 put back after the accelerator is
+built (accelerate turns FSDP into DDP on CPU: a benchmark-local shim, as in ``tests/unit/_dist_worker.py``),
+sharded checkpoints. At the end each job writes the final weights and amax, gathered whole on rank 0
+(``full_tensor`` of every DTensor under FSDP2), to ``final.safetensors``.
+
+Per setting, an uninterrupted job gives the reference and the length of its training phase (rank 1's
+``on_train_begin`` to the end of its last step, checkpoint writing included). Each trial: rank 1 arms a timer
+on ``on_train_begin`` that writes ``time.time()`` to ``died`` and then sends itself SIGKILL, after a delay
+drawn uniformly from that length; the launcher measures the time from that moment until the whole torchrun
+job has exited, and keeps the survivor's error (``error_0.json``, written by rank 0 as its exception leaves
+``train``: none when the launcher's SIGTERM came first). The whole job is then launched again, with
+``resume_from_checkpoint=True`` when a complete checkpoint exists (else from the start, as a user would),
+and its final tensors compared with the reference bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import _harness as h
+
+STEPS, SAVE_EVERY, BATCH = 6, 2, 2
+SETTINGS = ("ddp", "fsdp2")
+
+
+def worker(out: Path, setting: str, resume: bool, kill: str | None) -> None:
+    """One rank of the job (under torchrun); ``kill``: ``training:DELAY`` (rank 1 dies)."""
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+    from transformers import TrainerCallback
+
+    from modelopt_lite import QATTrainer, QuantizationArguments
+    from modelopt_lite.training.checkpoints import checkpoint_problem
+
+    rank = int(os.environ["RANK"])
+    delay = float(kill.split(":")[1]) if kill else None
+
+    def mark(phase: str) -> None:
+        with open(out / f"phases_{rank}.jsonl", "a") as f:
+            f.write(json.dumps({"phase": phase, "t": time.time()}) + "\n")
+
+    def die() -> None:
+        (out / "died").write_text(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    class Marks(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            mark("training")
+            if delay is not None and rank == 1:
+                threading.Timer(delay, die).start()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == STEPS:
+                mark("end")
+            elif state.global_step % SAVE_EVERY == 0:
+                mark("checkpoint")
+
+        def on_save(self, args, state, control, **kwargs):
+            if state.global_step < STEPS:
+                mark("training")
+
+    trainer_class = QATTrainer if setting == "ddp" else _fsdp2_trainer()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 128, (64, 16), generator=g)
+    args = h.cpu_training_args(str(out / "run"), STEPS, BATCH, 1e-3)
+    args.save_strategy, args.save_steps = "steps", SAVE_EVERY
+    model = h.tiny_model(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)  # fmt: skip
+    quant = QuantizationArguments(recipe="INT4_BLOCKWISE_WEIGHT_ONLY_CFG", calib_size=8, learn_amax=True)
+    data = [{"input_ids": r, "labels": r} for r in ids]
+    trainer = trainer_class(model=model, args=args, train_dataset=data, quant_args=quant, callbacks=[Marks()])
+    run = Path(args.output_dir)
+    complete = resume and any(checkpoint_problem(p) is None for p in run.glob("checkpoint-*"))
+    try:
+        mark("calibration" if not complete else "restore")
+        trainer.train(resume_from_checkpoint=True if complete else None)
+        state = {}
+        for name, p in trainer.accelerator.unwrap_model(trainer.model).state_dict().items():
+            full = p.full_tensor() if hasattr(p, "full_tensor") else p  # (FSDP2: every rank takes part)
+            state[name] = full.detach().clone().contiguous()
+        if rank == 0:
+            save_file(state, str(out / "final.tmp"))
+            os.replace(out / "final.tmp", out / "final.safetensors")
+        dist.barrier()
+    except BaseException as err:
+        text = f"{type(err).__module__}.{type(err).__qualname__}: {err}"
+        (out / f"error_{rank}.json").write_text(json.dumps({"t": time.time(), "error": text}))
+        raise
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # (gloo sometimes aborts in torch's static destructors after a finished FSDP2 run)
+
+
+def _fsdp2_trainer():
+    """``QATTrainer`` with FSDP2 put back after accelerate built its accelerator (benchmark-local: on CPU
+    accelerate silently makes FSDP into DDP; the library itself patches nothing)."""
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    from modelopt_lite import QATTrainer
+
+    class FSDP2OnCPU(QATTrainer):
+        def create_accelerator_and_postprocess(self):
+            super().create_accelerator_and_postprocess()
+            self.accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(
+                fsdp_version=2,
+                auto_wrap_policy="transformer_based_wrap",
+                transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+                state_dict_type="SHARDED_STATE_DICT",
+            )
+            self.accelerator.state.distributed_type = DistributedType.FSDP
+            self.is_fsdp_enabled = True
+
+    return FSDP2OnCPU
+
+
+def _launch(out: Path, setting: str, resume: bool = False, kill: str | None = None) -> dict:
+    """The torchrun job; ``rc``, ``stderr`` and the moment it exited."""
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           h.REPO_ROOT + "/benchmarks/faults.py", "--dist-child", str(out), "--mode", setting]  # fmt: skip
+    cmd += ["--resume"] * resume + (["--kill", kill] if kill else [])  # fmt: skip
+    path = os.pathsep.join(filter(None, [h.REPO_ROOT, os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": path}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    return {"rc": proc.returncode, "stderr": proc.stderr, "exited": time.time()}
+
+
+def _marks(out: Path, rank: int) -> list[dict]:
+    path = out / f"phases_{rank}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.is_file() else []
+
+
+def _tensors(out: Path) -> dict[str, str] | None:
+    import hashlib
+
+    from safetensors.torch import load_file
+
+    path = out / "final.safetensors"
+    if not path.is_file():
+        return None
+    return {k: hashlib.sha256(t.numpy().tobytes()).hexdigest() for k, t in load_file(str(path)).items()}
+
+
+def _leftovers(out: Path) -> list[str]:
+    """Temporary files, and checkpoints that are not complete, in a finished run's output."""
+    from modelopt_lite.training.checkpoints import checkpoint_problem
+
+    run = out / "run"
+    found = [str(p.relative_to(out)) for p in run.rglob("*") if ".tmp" in p.name]
+    return found + [p.name for p in run.glob("checkpoint-*") if checkpoint_problem(p) is not None]
+
+
+def _survivor_error(out: Path, stderr: str) -> str | None:
+    path = out / "error_0.json"
+    if path.is_file():
+        return json.loads(path.read_text())["error"]
+    lines = [line for line in stderr.splitlines() if line.startswith("[rank0]:") and "Error" in line]
+    return lines[-1].removeprefix("[rank0]:").strip() if lines else None
+
+
+def measure(setting: str, kills: int, work: Path, rng: random.Random, progress: Any = None) -> dict:
+    """The mode's rows and trials (``progress(result)`` after each trial: what is measured so far)."""
+    ref = work / f"{setting}_reference"
+    job = _launch(ref, setting)
+    if job["rc"] != 0:
+        raise RuntimeError(
+            f"{setting}: the uninterrupted job failed (rc {job['rc']}): {job['stderr'][-3000:]}"
+        )
+    marks = {m["phase"]: m["t"] for m in reversed(_marks(ref, 1))}  # (the first of each phase)
+    length = next(m["t"] for m in _marks(ref, 1) if m["phase"] == "end") - marks["training"]
+    reference = _tensors(ref)
+    if not reference or not any(k.endswith("_amax") for k in reference):
+        raise RuntimeError(f"{setting}: the reference job wrote no final tensors with amax")
+    h.log(f"{setting}: reference job: training phase {length:.1f} s, {len(reference)} tensors")
+    row = {"kills": 0, "exact": 0, "failed_or_partial": 0, "not_killed": 0}
+    trials: list[dict] = []
+    exits: list[float] = []
+    result = {"rows": {"training": row}, "trials": trials, "training_seconds": round(length, 2)}
+    for i in range(kills):
+        out = work / f"{setting}_{i}"
+        delay = rng.uniform(0, length)
+        job = _launch(out, setting, kill=f"training:{delay:.4f}")
+        if not (out / "died").is_file():
+            row["not_killed"] += 1
+            continue
+        died = float((out / "died").read_text())
+        row["kills"] += 1
+        seconds = job["exited"] - died
+        exits.append(seconds)
+        before = [m["phase"] for m in _marks(out, 1) if m["t"] <= died]
+        survivor = _survivor_error(out, job["stderr"])
+        summary = "local_rank: 1" in job["stderr"] and "exitcode  : -9" in job["stderr"]
+        launcher_term = "exitcode  : -15" in job["stderr"]  # (rank 0 ended by torchrun's SIGTERM)
+        resumed = _launch(out, setting, resume=True)
+        exact = resumed["rc"] == 0 and _tensors(out) == reference
+        left = _leftovers(out)
+        bad = resumed["rc"] != 0 or bool(left)
+        row["exact"] += exact
+        row["failed_or_partial"] += bad
+        trials.append({
+            "delay_s": round(delay, 3), "died_in": before[-1] if before else "startup", "rc": job["rc"],
+            "death_to_exit_s": round(seconds, 3), "survivor_error": survivor, "summary_names_rank_1": summary,
+            "survivor_terminated_by_launcher": launcher_term, "resume_rc": resumed["rc"], "exact": exact,
+            "leftovers": left, **({"resume_stderr": resumed["stderr"][-3000:]} if resumed["rc"] else {}),
+        })  # fmt: skip
+        h.log(f"{setting} #{i}: rank 1 died in {trials[-1]['died_in']} after {delay:.2f} s; job exited "
+              f"{seconds:.2f} s later; survivor: {(survivor or 'no error (terminated)')[:120]}; "
+              f"resumed exact={exact}")  # fmt: skip
+        stats = {"min": min(exits), "median": statistics.median(exits), "max": max(exits)}
+        result["death_to_exit_s"] = {k: round(v, 3) for k, v in stats.items()}
+        if progress is not None:
+            progress(result)
+    return result

@@ -31,6 +31,19 @@ class _AmaxCheckCallback(TrainerCallback):
     def __init__(self, trainer: _AmaxOwner):
         self.trainer = trainer
 
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        """Check the learnable amax the model holds now, after ``accelerator.prepare`` and the checkpoint
+        load. Under FSDP2 ``Trainer`` builds the optimizer first and ``fully_shard`` (in ``prepare``) then
+        replaces every parameter by a sharded DTensor one, moving the optimizer onto the new ones: the
+        Parameters ``create_optimizer`` saw are left behind, never trained (calibrated values in a fresh
+        run; in a resumed one the zeros ``restore_from_modelopt_state`` allocated, as the checkpoint loads
+        into the sharded parameters)."""
+        params = self.trainer._amax_params
+        if not params or model is None:
+            return
+        live = dict(model.named_parameters())
+        self.trainer._amax_params = {n: live.get(n, p) for n, p in params.items()}
+
     def on_step_end(self, args, state, control, **kwargs):
         params = self.trainer._amax_params
         if not params:

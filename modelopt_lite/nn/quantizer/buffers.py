@@ -214,9 +214,12 @@ class QuantizerBuffers(nn.Module):
                 ref = getattr(self, buf)
                 device = ref.device if ref is not None else state_dict[key].device
                 value = state_dict[key].detach().clone().to(device=device, dtype=torch.float32)
-                if buf == "_amax" and ref is not None and self.amax.dim() == 0 and value.numel() == 1:
+                scalar = buf == "_amax" and ref is not None and self._scalar_amax and value.numel() == 1
+                if scalar and not hasattr(value, "placements"):
                     value = value.reshape(())  # a learnable scalar saved in its (1,) storage layout
                 self._store_amax(value) if buf == "_amax" else setattr(self, buf, value)
+                if scalar:  # (under FSDP2 a DTensor of the (1,) storage, loaded as it is: still a scalar)
+                    self._scalar_amax = True
                 # what the parent loads: the stored layout ((1,) for a learnable scalar)
                 state_dict[key] = getattr(self, buf).detach()
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)

@@ -160,8 +160,9 @@ def qat_ddp(kind: str, out: Path, rank: int) -> None:
 
 def qat_fsdp2(kind: str, out: Path, rank: int) -> None:
     """QATTrainer on FSDP2 through accelerate. accelerate turns FSDP into DDP on CPU; this test-only shim
-    puts FSDP2 back after the accelerator is built (``kind``: ``STEPS``, ``STEPS:resume`` or
-    ``STEPS:qad``)."""
+    puts FSDP2 back after the accelerator is built (``kind``: ``STEPS``, ``STEPS:resume``, ``STEPS:qad``,
+    ``STEPS:save``, ``STEPS:la`` or, with learnable amax checkpointed at step 3, ``STEPS:la_save`` /
+    ``STEPS:la_resume``, on DDP with ``:ddp`` after them)."""
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
     from transformers import TrainerCallback
 
@@ -189,11 +190,14 @@ def qat_fsdp2(kind: str, out: Path, rank: int) -> None:
 
     stop, _, mode = kind.partition(":")
     stop = int(stop)
+    mode, _, backend = mode.partition(":")  # ``STEPS:la_save:ddp``: the same job on accelerate's DDP
     args = cpu_args(out, max_steps=6, per_device_train_batch_size=2, save_strategy="steps", save_steps=3)
     quant = QuantizationArguments(recipe="NVFP4_DEFAULT_CFG", calib_size=8)
     if mode == "la":  # learnable amax: INT8 weights per channel, inputs per tensor (1-element parameters)
         quant = learn_amax_args()
         args = cpu_args(out, max_steps=6, per_device_train_batch_size=2, optim="sgd", save_strategy="no")
+    if mode in ("la_save", "la_resume"):  # learnable amax, checkpointed at step 3 (AdamW, the default)
+        quant = learn_amax_args()
     common = dict(
         model=tiny_llama(), args=args, train_dataset=CountingData(), quant_args=quant, callbacks=[StopAt()]
     )
@@ -211,6 +215,23 @@ def qat_fsdp2(kind: str, out: Path, rank: int) -> None:
         state = full_state(trainer.model)
         if rank == 0:
             save_file(state, str(out / "gathered.safetensors"))
+        return
+    if mode in ("la_save", "la_resume"):
+        trainer = (QATTrainer if backend == "ddp" else FSDP2OnCPU)(**common)
+        trainer.train(resume_from_checkpoint=str(out / "checkpoint-3") if mode == "la_resume" else None)
+        state = full_state(trainer.model)  # weights and learnable amax (parameters), gathered whole
+        if rank == 0:
+            save_file(state, str(out / f"{mode}_{stop}.safetensors"))
+        # the amax the amax check reads: the parameters the model and the optimizer hold
+        live = {id(p) for p in learnable_amax_parameters(trainer.model).values()}
+        optimized = {id(p) for g in trainer.optimizer.param_groups for p in g["params"]}
+        checked = {id(p) for p in trainer._amax_params.values()}
+        result = {
+            "losses": step_losses(trainer),
+            "sharded": type(trainer.model.model.embed_tokens.weight).__name__,
+            "checked": "the model's and the optimizer's" if checked == live <= optimized else "others",
+        }
+        (out / f"{mode}_{stop}_{rank}.json").write_text(json.dumps(result))
         return
     resume = mode == "resume"
     trainer = FSDP2OnCPU(**common)

@@ -14,8 +14,18 @@ import torch
 from safetensors.torch import load_file
 
 import modelopt_lite.quantization as mtq
+from modelopt_lite.opt.checkpoint import STATE_FILE
 
-from ._dist_worker import CONFIG, MODELS, amax_of, aq_batches, auto_quantize_search, batches, full_state
+from ._dist_worker import (
+    CONFIG,
+    MODELS,
+    amax_of,
+    aq_batches,
+    auto_quantize_search,
+    batches,
+    full_state,
+    learn_amax_args,
+)
 from ._models import tiny_llama
 
 pytestmark = pytest.mark.distributed
@@ -185,7 +195,6 @@ def test_learnable_amax_under_fsdp2_matches_one_process(tmp_path):
     from modelopt_lite.training import QATTrainer
     from modelopt_lite.training.qat_trainer import learnable_amax_parameters
 
-    from ._dist_worker import learn_amax_args
     from ._training import CountingData, StopAt, cpu_args
 
     _torchrun("qat_fsdp2", "3:la", tmp_path)
@@ -209,6 +218,36 @@ def test_learnable_amax_under_fsdp2_matches_one_process(tmp_path):
         torch.testing.assert_close(torch.tensor(ranks[0]["amax"][name]), value, rtol=1e-4, atol=1e-6)
     moved = [n for n in single if not torch.equal(torch.tensor(ranks[0]["amax"][n]), start[n])]
     assert len(moved) >= len(single) // 2  # and they were trained (some gradients are below one ulp)
+
+
+@pytest.mark.parametrize("backend", ["fsdp2", pytest.param("ddp", marks=pytest.mark.slow)])
+def test_learnable_amax_resumes_exactly(tmp_path, backend):
+    # 6 steps uninterrupted = 3 steps, checkpointed, resumed to 6: losses, weights and learnable amax bit
+    # for bit, and the quantizer state the last checkpoints record (issue 45, FSDP2: the resumed run stopped
+    # at its first step, its amax check reading the zero placeholders fully_shard had left behind; a
+    # per-tensor amax loaded from a sharded checkpoint was recorded as (1,) instead of a scalar)
+    suffix = "" if backend == "fsdp2" else f":{backend}"
+    _torchrun("qat_fsdp2", f"6:la_save{suffix}", tmp_path / "full")
+    _torchrun("qat_fsdp2", f"3:la_save{suffix}", tmp_path / "split")
+    _torchrun("qat_fsdp2", f"6:la_resume{suffix}", tmp_path / "split")
+    for rank in (0, 1):
+        full = json.loads((tmp_path / "full" / f"la_save_6_{rank}.json").read_text())
+        first = json.loads((tmp_path / "split" / f"la_save_3_{rank}.json").read_text())
+        resumed = json.loads((tmp_path / "split" / f"la_resume_6_{rank}.json").read_text())
+        assert full["sharded"] == ("DTensor" if backend == "fsdp2" else "Parameter")
+        assert full["checked"] == resumed["checked"] == "the model's and the optimizer's"
+        assert len(full["losses"]) == 6
+        assert first["losses"] == full["losses"][:3]
+        assert resumed["losses"][-3:] == full["losses"][3:]
+    full = load_file(str(tmp_path / "full" / "la_save_6.safetensors"))
+    resumed = load_file(str(tmp_path / "split" / "la_resume_6.safetensors"))
+    assert full.keys() == resumed.keys()
+    assert sum(k.endswith("._amax") for k in full) == 2 * 7 * 2
+    assert [k for k in full if not torch.equal(full[k], resumed[k])] == []
+    start = _calibrated(learn_amax_args())
+    assert any(not torch.equal(full[n], p.detach()) for n, p in start.items())  # the amax trained
+    state = [json.loads((tmp_path / d / "checkpoint-6" / STATE_FILE).read_text()) for d in ("full", "split")]
+    assert state[0] == state[1]
 
 
 def _calibrated(quant):
@@ -235,7 +274,6 @@ def test_qad_under_fsdp2_shards_the_teacher(tmp_path):
 
 def test_save_model_of_an_fsdp2_model_is_restorable_in_one_process(tmp_path):
     import modelopt_lite.opt as mto
-    from modelopt_lite.opt.checkpoint import STATE_FILE
 
     _torchrun("qat_fsdp2", "2:save", tmp_path)
     final = tmp_path / "final"

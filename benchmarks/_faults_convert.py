@@ -60,7 +60,7 @@ def _spawn(out: Path, model: str, threads: int, kill: str | None = None) -> tupl
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1",
            "MODELOPT_LITE_CACHE": str(out / "cache")}  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    return proc.returncode, proc.stderr[-2000:]
+    return proc.returncode, h.portable_text(proc.stderr[-2000:])
 
 
 def _root(out: Path) -> Path:

@@ -171,9 +171,9 @@ def _leftovers(out: Path) -> list[str]:
 def _survivor_error(out: Path, stderr: str) -> str | None:
     path = out / "error_0.json"
     if path.is_file():
-        return json.loads(path.read_text())["error"]
+        return h.portable_text(json.loads(path.read_text())["error"])
     lines = [line for line in stderr.splitlines() if line.startswith("[rank0]:") and "Error" in line]
-    return lines[-1].removeprefix("[rank0]:").strip() if lines else None
+    return h.portable_text(lines[-1].removeprefix("[rank0]:").strip()) if lines else None
 
 
 def measure(setting: str, kills: int, work: Path, rng: random.Random, progress: Any = None) -> dict:
@@ -215,11 +215,12 @@ def measure(setting: str, kills: int, work: Path, rng: random.Random, progress: 
         bad = resumed["rc"] != 0 or bool(left)
         row["exact"] += exact
         row["failed_or_partial"] += bad
+        failed = {"resume_stderr": h.portable_text(resumed["stderr"][-3000:])} if resumed["rc"] else {}
         trials.append({
             "delay_s": round(delay, 3), "died_in": before[-1] if before else "startup", "rc": job["rc"],
             "death_to_exit_s": round(seconds, 3), "survivor_error": survivor, "summary_names_rank_1": summary,
             "survivor_terminated_by_launcher": launcher_term, "resume_rc": resumed["rc"], "exact": exact,
-            "leftovers": left, **({"resume_stderr": resumed["stderr"][-3000:]} if resumed["rc"] else {}),
+            "leftovers": left, **failed,
         })  # fmt: skip
         h.log(f"{setting} #{i}: rank 1 died in {trials[-1]['died_in']} after {delay:.2f} s; job exited "
               f"{seconds:.2f} s later; survivor: {(survivor or 'no error (terminated)')[:120]}; "

@@ -631,6 +631,26 @@ def portable_arg(arg: str) -> str:
     return flag + eq + value
 
 
+_MACHINE_PATH = re.compile(r"(?<![\w.<>-])/(?:tmp|work|root|home|Users)/[^\s\"'\\]*")
+
+
+def portable_text(text: str) -> str:
+    """``text`` (an error message, a traceback) with each absolute path of the machine written as
+    :func:`command` writes one: relative inside the repository, ``<site-packages>/...`` for an installed
+    package, else ``<outside>/NAME``."""
+
+    def one(match: re.Match[str]) -> str:
+        path = match.group(0)
+        root = str(Path(REPO_ROOT).resolve()) + "/"
+        if path.startswith(root):
+            return path[len(root) :]
+        if "site-packages/" in path:
+            return "<site-packages>/" + path.split("site-packages/", 1)[1]
+        return f"<outside>/{os.path.basename(path.rstrip('/'))}"
+
+    return _MACHINE_PATH.sub(one, text)
+
+
 def time_stats(seconds: Iterable[float]) -> dict[str, float]:
     """``{"median_s": ..., "min_s": ...}`` of some timings."""
     values = list(seconds)

@@ -399,7 +399,7 @@ def run_worker(name: str, python: str, spec: dict[str, Any], work: Path, args: a
         result["error"] = f"stopped after --peer-timeout {args.peer_timeout:.0f} s"
     for r in rows:
         r.pop("traceback", None)
-    return {**result, "rows": rows, "log": str(work / f"{name}.log")}
+    return {**result, "rows": rows, "log": h.portable_arg(str(work / f"{name}.log"))}
 
 
 def peer_spec(prep: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:

@@ -70,3 +70,26 @@ def test_no_committed_result_file_records_a_path_of_the_machine():
     for path in sorted(docs.glob("*.json")):
         found = re.findall(r"(?<![\w.<>-])/(?:tmp|work|root|home|Users)/[^\s\"]*", path.read_text())
         assert not found, f"{path.name}: {found[:3]}"
+
+
+def test_an_error_text_keeps_no_path_of_the_machine():
+    """Error texts and tracebacks that benchmarks store (a survivor's error, a failed resume's stderr) go
+    through ``portable_text``: inside the repository relative, an installed package's file under
+    ``<site-packages>/``, anything else ``<outside>/NAME``."""
+    root = str(Path(h.REPO_ROOT).resolve())
+    text = (
+        f'File "{root}/modelopt_lite/training/callbacks.py", line 3\n'
+        'File "/usr/lib/python3/site-packages/torch/nn/module.py", line 9\n'
+        "[rank0]: RuntimeError: [/tmp/fsnap/gloo/pair.cc:537] reset; see /home/me/run/log.txt"
+    )
+    out = h.portable_text(text)
+    assert 'File "modelopt_lite/training/callbacks.py"' in out
+    assert 'File "/usr/lib/python3/site-packages/torch' in out  # (/usr is not a machine-private root)
+    assert "[<outside>/pair.cc:537]" in out
+    assert "see <outside>/log.txt" in out
+    assert not re.findall(r"(?<![\w.<>-])/(?:tmp|work|root|home|Users)/[^\s\"]*", out)
+    assert (
+        h.portable_text(f"{root}/.venv/lib/python3.11/site-packages/x.py")
+        == ".venv/lib/python3.11/site-packages/x.py"
+    )
+    assert h.portable_text("/root/venv/lib/site-packages/x.py") == "<site-packages>/x.py"

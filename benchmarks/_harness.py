@@ -639,11 +639,12 @@ def portable_text(text: str) -> str:
     :func:`command` writes one: relative inside the repository, ``<site-packages>/...`` for an installed
     package, else ``<outside>/NAME``."""
 
+    root = str(Path(REPO_ROOT).resolve()) + "/"
+    # the checkout may live anywhere (CI's is under no root _MACHINE_PATH knows): its own paths first
+    text = re.sub(r"(?<![\w.<>-])" + re.escape(root), "", text)
+
     def one(match: re.Match[str]) -> str:
         path = match.group(0)
-        root = str(Path(REPO_ROOT).resolve()) + "/"
-        if path.startswith(root):
-            return path[len(root) :]
         if "site-packages/" in path:
             return "<site-packages>/" + path.split("site-packages/", 1)[1]
         return f"<outside>/{os.path.basename(path.rstrip('/'))}"

@@ -93,3 +93,10 @@ def test_an_error_text_keeps_no_path_of_the_machine():
         == ".venv/lib/python3.11/site-packages/x.py"
     )
     assert h.portable_text("/root/venv/lib/site-packages/x.py") == "<site-packages>/x.py"
+
+
+def test_an_error_text_keeps_no_path_of_a_checkout_under_any_root(monkeypatch):
+    """CI clones the repository under a root the machine-path pattern does not know (``/check/...``)."""
+    monkeypatch.setattr(h, "REPO_ROOT", "/check/work/main")
+    out = h.portable_text('File "/check/work/main/modelopt_lite/x.py", line 3; not /check/work/mainly.py')
+    assert out == 'File "modelopt_lite/x.py", line 3; not /check/work/mainly.py'

@@ -12,6 +12,7 @@ from .comm import (
     is_distributed,
     naming_lost_rank,
     rank,
+    set_collective_timeout,
     world_size,
 )
 from .offload import has_offloaded_weights
@@ -30,6 +31,7 @@ __all__ = [
     "is_sharded",
     "naming_lost_rank",
     "rank",
+    "set_collective_timeout",
     "shard_frozen",
     "unsharded_class",
     "weight_access",

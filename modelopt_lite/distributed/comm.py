@@ -4,6 +4,7 @@
   raised, so a failure on one rank becomes an error on every rank instead of a hang at the next collective;
 * :func:`naming_lost_rank`: a collective that fails inside the block because a peer went away (its process
   died) raises :class:`RankFailedError` naming the phase instead of the backend's bare transport error;
+* :func:`set_collective_timeout`: bound how long a collective waits for a rank that hung;
 * :func:`check_same_on_all_ranks`: refuse to go on when ranks disagree (e.g. on the set of quantizers);
 * :func:`all_reduce_max`: element-wise max of named tensors across ranks, where a rank may lack some of
   them (an expert that saw no tokens there);
@@ -36,6 +37,7 @@ __all__ = [
     "is_distributed",
     "naming_lost_rank",
     "rank",
+    "set_collective_timeout",
     "world_size",
 ]
 
@@ -98,10 +100,37 @@ def _agree(failed: torch.Tensor, what: str, timeout: float | None) -> None:
 
 
 def _lost(what: str, err: BaseException) -> RankFailedError:
+    if _timed_out(err):
+        return RankFailedError(
+            f"{what}: rank {rank()} waited the process group's whole timeout for another rank, which hung or "
+            f"is far behind (a stopped or swapping process, a stuck node; set the bound with "
+            f"TrainingArguments(ddp_timeout=SECONDS)): {err}"
+        )
     return RankFailedError(
         f"{what}: rank {rank()} lost contact with another rank, which probably died (the launcher's summary "
         f"names it): {err}"
     )
+
+
+def set_collective_timeout(seconds: float) -> bool:
+    """Bound every later collective of the default process group to ``seconds`` (gloo and NCCL); False
+    (nothing changed) in a single process or where this torch has no way to change it. For groups created
+    without the timeout a user asked for: transformers passes ``TrainingArguments.ddp_timeout`` to the
+    process group only when ``use_cpu`` is off."""
+    from torch.distributed import distributed_c10d
+
+    setter = getattr(distributed_c10d, "_set_pg_timeout", None)  # (torch >= 2.3)
+    if not is_distributed() or setter is None:
+        return False
+    setter(timedelta(seconds=seconds))
+    return True
+
+
+def _timed_out(err: BaseException) -> bool:
+    """gloo's errors when the process group's timeout passed: ``.../gloo/transport/tcp/unbound_buffer.cc:78]
+    Timed out waiting 8000ms for recv operation to complete``, or in DDP's backward ``Application timeout
+    caused pair closure`` (no path)."""
+    return "Timed out waiting" in str(err) or "Application timeout caused pair closure" in str(err)
 
 
 def _peer_lost(err: BaseException) -> bool:
@@ -109,7 +138,7 @@ def _peer_lost(err: BaseException) -> bool:
     gloo raises as a plain ``RuntimeError`` when a peer's connection closes (``.../gloo/transport/...:
     Connection reset by peer``)."""
     return isinstance(err, dist.DistBackendError) or (
-        isinstance(err, RuntimeError) and "/gloo/transport/" in str(err)
+        isinstance(err, RuntimeError) and ("/gloo/transport/" in str(err) or _timed_out(err))
     )
 
 

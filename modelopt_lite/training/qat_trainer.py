@@ -25,11 +25,12 @@ from typing import Any
 
 import torch
 from accelerate.utils import DistributedType
-from transformers import Trainer
+from transformers import Trainer, TrainingArguments
 
 from ..allocator import MallocPolicy
 from ..data import check_sequence_length
 from ..distributed import all_ranks_succeed, is_sharded, naming_lost_rank, rank, unsharded_class, world_size
+from ..distributed.comm import set_collective_timeout
 from ..export.shards import ShardWriter
 from ..logging import get_logger
 from ..nn.lora import is_peft_model, lora_deploy
@@ -121,6 +122,9 @@ class QATTrainer(Trainer):
                 "TrainingArguments(use_cpu=True) (--use_cpu true) or launch with `accelerate launch --cpu`"
             )
         self._warn_if_fsdp_was_dropped()
+        asked = self.args.ddp_timeout  # (transformers hands it to the process group only without use_cpu)
+        if self.args.use_cpu and asked != TrainingArguments.ddp_timeout and set_collective_timeout(asked):
+            logger.info("collectives wait at most ddp_timeout=%s s for another rank", asked)
 
     def _warn_if_fsdp_was_dropped(self) -> None:
         requested = bool(self.args.fsdp) or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"

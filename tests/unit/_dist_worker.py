@@ -349,7 +349,8 @@ def lora_ddp(kind: str, out: Path, rank: int) -> None:
 def lost_rank(kind: str, out: Path, rank: int) -> None:
     """QATTrainer under torchrun where rank 1 dies (SIGKILL, after writing the time to ``died``) in the
     phase ``kind``: ``calibration`` (its first calibration forward), ``training`` (after step 1) or
-    ``training_step`` (in the forward of step 2, so that the survivor fails in DDP's collectives)."""
+    ``training_step`` (in the forward of step 2, so that the survivor fails in DDP's collectives); with
+    ``hung_step`` it stops there instead (SIGSTOP), the job's process-group timeout (``ddp_timeout``) 8 s."""
     import signal
     import time
 
@@ -358,9 +359,13 @@ def lost_rank(kind: str, out: Path, rank: int) -> None:
     from modelopt_lite.training import QATTrainer, QuantizationArguments
     from tests.unit._training import CountingData, cpu_args
 
+    hang = kind == "hung_step"  # rank 1 stops (SIGSTOP: alive, never answering) in the forward of step 2
+    if hang:
+        kind = "training_step"
+
     def die() -> None:
         (out / "died").write_text(repr(time.time()))
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGSTOP if hang else signal.SIGKILL)
 
     armed = [kind == "calibration"]
 
@@ -376,7 +381,7 @@ def lost_rank(kind: str, out: Path, rank: int) -> None:
         model.register_forward_pre_hook(lambda *_: die() if armed[0] else None)
     trainer = QATTrainer(
         model=model,
-        args=cpu_args(out / "run", max_steps=3, per_device_train_batch_size=2),
+        args=cpu_args(out / "run", max_steps=3, per_device_train_batch_size=2, ddp_timeout=8 if hang else 60),
         train_dataset=CountingData(),
         quant_args=QuantizationArguments(recipe="NVFP4_DEFAULT_CFG", calib_size=8),
         callbacks=[DieAfterStep()] if kind.startswith("training") else [],
@@ -401,7 +406,7 @@ def main(scenarios=SCENARIOS) -> None:
     """``<worker> SCENARIO KIND OUT_DIR`` under torchrun (other workers pass their own scenarios)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     scenario, kind, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
-    if not scenario.startswith("qat_"):  # for qat_*, the Trainer's accelerate state sets up the group
+    if not scenario.startswith(("qat_", "lost_rank")):  # for these the Trainer's accelerate state sets it up
         dist.init_process_group("gloo")
     try:
         scenarios[scenario](kind, out, int(os.environ["RANK"]))

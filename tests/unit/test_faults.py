@@ -217,9 +217,13 @@ def _lost_rank_run(tmp_path: Path, phase: str, torchrun: bool) -> tuple[int, str
             )
             for r in range(2)
         ]
-        stderr = ranks[0].communicate(timeout=600)[1]
+        try:
+            stderr = ranks[0].communicate(timeout=120 if phase == "hung_step" else 600)[1]
+        finally:
+            for proc in ranks:
+                proc.kill()
         code = ranks[0].returncode
-        ranks[1].wait(timeout=60)
+        ranks[1].wait(timeout=60)  # (dead already, or stopped: the SIGKILL above ends a stopped process too)
     ended = time.time()
     return code, stderr, ended - float((tmp_path / "died").read_text())
 
@@ -248,6 +252,17 @@ def test_the_survivor_of_a_lost_rank_stops_within_a_minute_naming_the_phase(tmp_
     assert took < 60, f"the survivor took {took:.1f} s to stop"
     if named:
         assert named in stderr, stderr[-3000:]
+
+
+@pytest.mark.distributed
+def test_a_hung_rank_stops_the_other_after_ddp_timeout_naming_the_phase(tmp_path):
+    """Rank 1 stops (SIGSTOP) in step 2's forward: alive, its connections open, so nothing fails at once. With
+    ``use_cpu=True`` transformers does not hand ``ddp_timeout`` (8 s here) to the process group, whose
+    default is 1800 s: the trainer applies it, and the survivor says it timed out."""
+    code, stderr, took = _lost_rank_run(tmp_path, "hung_step", torchrun=False)
+    assert code != 0
+    assert 8 <= took < 40, f"the survivor took {took:.1f} s to stop"
+    assert "RankFailedError: training step 2: rank 0 waited the process group's whole timeout" in stderr, stderr[-3000:]
 
 
 def test_the_export_records_the_dtype_it_wrote_whatever_config_dtype_says(tmp_path):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -143,16 +143,19 @@ def _peer_lost(err: BaseException) -> bool:
 
 
 @contextmanager
-def naming_lost_rank(what: str) -> Iterator[None]:
+def naming_lost_rank(what: str | Callable[[], str]) -> Iterator[None]:
     """Run the block; a collective inside it that fails because another rank went away (a process killed,
-    out of memory) raises :class:`RankFailedError` naming ``what`` (``"training step 5"``) and this rank,
-    chained to the backend's error. Other errors pass unchanged; nothing happens in a single process."""
+    out of memory) raises :class:`RankFailedError` naming ``what`` (``"training step 5"``, or a function
+    that says it when the failure comes) and this rank, chained to the backend's error. Other errors pass
+    unchanged; nothing happens in a single process."""
     try:
         yield
+    except RankFailedError:
+        raise  # (named already, by a block inside this one)
     except RuntimeError as err:
         if not (is_distributed() and _peer_lost(err)):
             raise
-        raise _lost(what, err) from err
+        raise _lost(what() if callable(what) else what, err) from err
 
 
 def check_same_on_all_ranks(value: Any, what: str) -> None:

@@ -374,8 +374,10 @@ class QATTrainer(Trainer):
         else:
             self.quantize_model()
         choose_trainable(self.accelerator.unwrap_model(self.model), self.quant_args)
-        try:
-            return super().train(resume_from_checkpoint, *args, **kwargs)
+        after = lambda: f"training, after step {self.state.global_step} (Trainer's own collectives)"  # noqa: E731
+        try:  # (outside our steps: Trainer's own collectives, e.g. the loss gathered for logging)
+            with naming_lost_rank(after):
+                return super().train(resume_from_checkpoint, *args, **kwargs)
         finally:
             self.gc_policy.close()
 

@@ -6,6 +6,7 @@ Scenarios (``<scenario> <kind> <outdir>``):
 
 * ``export <model>-<format>``: ``export_hf_checkpoint`` into ``<outdir>/export`` on every rank; then again
   into the same (now non-empty) directory, which must fail on every rank without hanging;
+* ``lost_export -``: rank 1 dies in the middle of the export (the survivor must name the export);
 * ``memory <layers>``: peak resident memory of the export of an NVFP4 + FP8-KV Llama (hidden 512, 8 layers by
   default): the rise of VmHWM over VmRSS just before the export (the peak mark reset through
   ``/proc/self/clear_refs``). Run with ``MALLOC_MMAP_THRESHOLD_=131072`` so freed tensors leave the heap.
@@ -114,7 +115,31 @@ def memory(kind: str, out: Path, rank: int) -> None:
     (out / f"memory_{rank}.json").write_text(json.dumps(result))
 
 
-SCENARIOS = {"export": export_sharded, "memory": memory}
+def lost_export(kind: str, out: Path, rank: int) -> None:
+    """Rank 1 SIGKILLs itself (after writing the time to ``died``) in the export of an FSDP2-sharded NVFP4
+    Llama, while it packs its third layer; rank 0's error is the test's to read."""
+    import os
+    import signal
+    import time
+
+    from modelopt_lite.export import writer
+
+    model = quantize_and_shard(MODELS["llama"](), CONFIGS["nvfp4"], rank)
+    if rank == 1:  # (test code: a hook into the export's per-layer step, to die at a known moment)
+        real, calls = writer._layer_tensors, []
+
+        def dying(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 3:
+                (out / "died").write_text(repr(time.time()))
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(*args, **kwargs)
+
+        writer._layer_tensors = dying
+    export_hf_checkpoint(model, out / "export", max_shard_size=SHARD_SIZE)
+
+
+SCENARIOS = {"export": export_sharded, "memory": memory, "lost_export": lost_export}
 
 
 if __name__ == "__main__":

@@ -186,7 +186,9 @@ def test_a_full_disk_during_export_leaves_nothing_behind(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------- a lost rank
-def _lost_rank_run(tmp_path: Path, phase: str, torchrun: bool) -> tuple[int, str, float]:
+def _lost_rank_run(
+    tmp_path: Path, phase: str, torchrun: bool, worker: str = "_dist_worker.py", scenario: str = "lost_rank"
+) -> tuple[int, str, float]:
     """Rank 1 of two dies (SIGKILL) in ``phase``: (rank 0's or torchrun's exit code, its stderr, seconds from
     the death to the end). Without ``torchrun`` the two ranks are started directly, as a multi-node job's
     survivors are: no agent kills rank 0, which has to notice the loss itself (under torchrun the agent's
@@ -195,7 +197,7 @@ def _lost_rank_run(tmp_path: Path, phase: str, torchrun: bool) -> tuple[int, str
     import time
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    worker = [str(Path(__file__).with_name("_dist_worker.py")), "lost_rank", phase, str(tmp_path)]
+    worker = [str(Path(__file__).with_name(worker)), scenario, phase, str(tmp_path)]
     if torchrun:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
         cmd = [*launcher, *worker]
@@ -255,6 +257,18 @@ def test_the_survivor_of_a_lost_rank_stops_within_a_minute_naming_the_phase(tmp_
     assert took < 60, f"the survivor took {took:.1f} s to stop"
     if named:
         assert named in stderr, stderr[-3000:]
+
+
+@pytest.mark.distributed
+def test_a_rank_lost_in_a_sharded_export_stops_the_other_naming_it_and_leaves_nothing(tmp_path):
+    """FSDP2-sharded NVFP4 Llama, rank 1 killed while packing its third layer: rank 0 (which writes) stops
+    naming the export and the module, and neither the export folder nor its staging folder is left."""
+    code, stderr, took = _lost_rank_run(tmp_path, "-", False, "_dist_export_worker.py", "lost_export")
+    assert code != 0
+    assert took < 60, f"the survivor took {took:.1f} s to stop"
+    assert "RankFailedError: export: model.layers." in stderr, stderr[-3000:]
+    assert "rank 0 lost contact with another rank" in stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["died"]
 
 
 @pytest.mark.distributed

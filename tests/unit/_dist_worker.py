@@ -350,7 +350,7 @@ def lost_rank(kind: str, out: Path, rank: int) -> None:
     """QATTrainer under torchrun where rank 1 dies (SIGKILL, after writing the time to ``died``) in the
     phase ``kind``: ``calibration`` (its first calibration forward), ``training`` (after step 1) or
     ``training_step`` (in the forward of step 2, so that the survivor fails in DDP's collectives); with
-    ``hung_step`` it stops there instead (SIGSTOP), the job's process-group timeout (``ddp_timeout``) 8 s."""
+    ``hung_step[:SECONDS]`` it stops there instead (SIGSTOP), ``ddp_timeout`` SECONDS (8)."""
     import signal
     import time
 
@@ -359,7 +359,8 @@ def lost_rank(kind: str, out: Path, rank: int) -> None:
     from modelopt_lite.training import QATTrainer, QuantizationArguments
     from tests.unit._training import CountingData, cpu_args
 
-    hang = kind == "hung_step"  # rank 1 stops (SIGSTOP: alive, never answering) in the forward of step 2
+    hang = kind.startswith("hung_step")  # rank 1 stops (SIGSTOP: alive, never answering) in step 2's forward
+    timeout = int(kind.partition(":")[2] or 8) if hang else 60  # ``hung_step:SECONDS`` (default 8)
     if hang:
         kind = "training_step"
 
@@ -381,7 +382,7 @@ def lost_rank(kind: str, out: Path, rank: int) -> None:
         model.register_forward_pre_hook(lambda *_: die() if armed[0] else None)
     trainer = QATTrainer(
         model=model,
-        args=cpu_args(out / "run", max_steps=3, per_device_train_batch_size=2, ddp_timeout=8 if hang else 60),
+        args=cpu_args(out / "run", max_steps=3, per_device_train_batch_size=2, ddp_timeout=timeout),
         train_dataset=CountingData(),
         quant_args=QuantizationArguments(recipe="NVFP4_DEFAULT_CFG", calib_size=8),
         callbacks=[DieAfterStep()] if kind.startswith("training") else [],

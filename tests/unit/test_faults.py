@@ -220,7 +220,7 @@ def _lost_rank_run(
             for r in range(2)
         ]
         try:
-            stderr = ranks[0].communicate(timeout=120 if phase == "hung_step" else 600)[1]
+            stderr = ranks[0].communicate(timeout=120 if phase.startswith("hung_step") else 600)[1]
         finally:
             for proc in ranks:
                 proc.kill()

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..logging import get_logger
+
 __all__ = [
     "RankFailedError",
     "all_ranks_succeed",
@@ -40,6 +42,8 @@ __all__ = [
     "set_collective_timeout",
     "world_size",
 ]
+
+logger = get_logger(__name__)
 
 
 class RankFailedError(RuntimeError):
@@ -120,7 +124,14 @@ def set_collective_timeout(seconds: float) -> bool:
     from torch.distributed import distributed_c10d
 
     setter = getattr(distributed_c10d, "_set_pg_timeout", None)  # (torch >= 2.3)
-    if not is_distributed() or setter is None:
+    if not is_distributed():
+        return False
+    if setter is None:
+        logger.warning(
+            "this torch cannot change a process group's timeout (no distributed_c10d._set_pg_timeout): "
+            "collectives keep the group's own; pass timeout= to torch.distributed.init_process_group "
+            "before the Trainer is built"
+        )
         return False
     setter(timedelta(seconds=seconds))
     return True

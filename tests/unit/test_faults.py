@@ -271,6 +271,26 @@ def test_a_rank_lost_in_a_sharded_export_stops_the_other_naming_it_and_leaves_no
     assert sorted(p.name for p in tmp_path.iterdir()) == ["died"]
 
 
+def test_the_collective_timeout_is_set_or_its_absence_said(monkeypatch, caplog):
+    import logging
+    from datetime import timedelta
+
+    from torch.distributed import distributed_c10d
+
+    from modelopt_lite.distributed import comm
+
+    assert comm.set_collective_timeout(5) is False  # a single process: nothing to bound
+    monkeypatch.setattr(comm, "is_distributed", lambda: True)
+    seen = []
+    monkeypatch.setattr(distributed_c10d, "_set_pg_timeout", seen.append)
+    assert comm.set_collective_timeout(5) is True
+    assert seen == [timedelta(seconds=5)]
+    monkeypatch.delattr(distributed_c10d, "_set_pg_timeout")
+    with caplog.at_level(logging.WARNING, logger="modelopt_lite"):
+        assert comm.set_collective_timeout(5) is False
+    assert "cannot change a process group's timeout" in caplog.text
+
+
 @pytest.mark.distributed
 def test_a_hung_rank_stops_the_other_after_ddp_timeout_naming_the_phase(tmp_path):
     """Rank 1 stops (SIGSTOP) in step 2's forward: alive, its connections open, so nothing fails at once. With

@@ -9,11 +9,13 @@ Published in ``docs/training.md``, "Killed at any moment" (the table and its com
 
     python benchmarks/faults.py --modes convert --kills 20     # _faults_convert.py: SmolLM2-135M converted
     python benchmarks/faults.py --modes ddp,fsdp2 --kills 20   # _faults_dist.py: torchrun, rank 1 dies
+    python benchmarks/faults.py --model smollm2-135m --modes qat --phases training   # a real model
 
 Workload (one child process per run, ``--threads`` each): a tiny Llama built from a config (hidden 64, 2
 layers, vocabulary 128, seed 0), INT4 block-wise weights with learnable amax (``QATTrainer``) or NVFP4 W4A4
 distilled from the unquantized model (``QADTrainer``, ``--modes``), 6 steps of 4 x 16 tokens, a checkpoint
-every 2 steps, then ``export_hf_checkpoint``. The child marks each phase it enters in a file (calibration,
+every 2 steps, then ``export_hf_checkpoint`` (``--model smollm2-135m``: the real model instead, on the
+same token ids). The child marks each phase it enters in a file (calibration,
 training, checkpoint: from the end of a saving step until ``on_save``, export, done) and writes its final
 weights and quantizer tensors (``final.safetensors``) once the export is written.
 
@@ -53,8 +55,9 @@ MORE_MODES = ("convert", "ddp", "fsdp2")  # (benchmarks/_faults_convert.py, _fau
 STEPS, SAVE_EVERY = 6, 2
 
 
-def _child(out: Path, mode: str, resume: bool, kill: str | None) -> None:
-    """One run (see the module docstring); ``kill`` = ``PHASE:DELAY[:CHECKPOINT]``."""
+def _child(out: Path, mode: str, resume: bool, kill: str | None, model_name: str = "tiny") -> None:
+    """One run (see the module docstring); ``kill`` = ``PHASE:DELAY[:CHECKPOINT]``; ``model_name`` a real
+    model's name (``smollm2-135m``) instead of the tiny Llama."""
     import torch
     from safetensors.torch import save_file
     from transformers import TrainerCallback
@@ -87,6 +90,10 @@ def _child(out: Path, mode: str, resume: bool, kill: str | None) -> None:
             mark("training")
 
     def model():
+        if model_name != "tiny":  # (the token ids below are < 128: any real vocabulary takes them)
+            from modelopt_lite.models import load_default_model
+
+            return load_default_model(model_name)[0].train()
         return h.tiny_model(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                             num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)  # fmt: skip
 
@@ -122,8 +129,11 @@ def _child(out: Path, mode: str, resume: bool, kill: str | None) -> None:
     mark("done")
 
 
-def _spawn(out: Path, mode: str, threads: int, resume: bool = False, kill: str | None = None) -> int:
+def _spawn(
+    out: Path, mode: str, threads: int, resume: bool = False, kill: str | None = None, model: str = "tiny"
+) -> int:
     cmd = [sys.executable, __file__, "--child", str(out), "--mode", mode, "--threads", str(threads)]
+    cmd += ["--model", model]
     cmd += ["--resume"] * resume + (["--kill", kill] if kill else [])
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}
     return subprocess.run(cmd, env=env, capture_output=True, timeout=900).returncode
@@ -154,10 +164,16 @@ def _leftovers(out: Path) -> list[str]:
 
 
 def measure_mode(
-    mode: str, kills: int, threads: int, work: Path, rng: random.Random, phases: tuple[str, ...] = PHASES
+    mode: str,
+    kills: int,
+    threads: int,
+    work: Path,
+    rng: random.Random,
+    phases: tuple[str, ...] = PHASES,
+    model: str = "tiny",
 ) -> dict:
     ref = work / f"{mode}_reference"
-    if _spawn(ref, mode, threads) != 0:
+    if _spawn(ref, mode, threads, model=model) != 0:
         raise RuntimeError(f"{mode}: the uninterrupted run failed")
     marks = _marks(ref)
     times = {}
@@ -173,7 +189,7 @@ def measure_mode(
             nth = rng.randrange(len(durations))
             delay = rng.uniform(0, durations[nth])
             step = f":{SAVE_EVERY * (nth + 1)}" if phase == "checkpoint" else ""
-            code = _spawn(out, mode, threads, kill=f"{phase}:{delay:.4f}{step}")
+            code = _spawn(out, mode, threads, kill=f"{phase}:{delay:.4f}{step}", model=model)
             marks_left = _marks(out)
             died_in = marks_left[-1]["phase"] if marks_left else "other"
             row = rows[died_in if died_in in rows else "other"]
@@ -181,7 +197,7 @@ def measure_mode(
                 row["not_killed"] += 1
                 continue
             row["kills"] += 1
-            resumed = _spawn(out, mode, threads, resume=True)
+            resumed = _spawn(out, mode, threads, resume=True, model=model)
             exact = resumed == 0 and _digest(out) == reference
             bad = (
                 resumed != 0
@@ -208,6 +224,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--modes", default=",".join(MODES), help=f"from {[*MODES, *MORE_MODES]}")
     p.add_argument("--gguf", default="smollm2-135m", help="convert: the real model (a name or a .gguf file)")
     p.add_argument("--phases", default=",".join(PHASES), help="the phases to kill in")
+    p.add_argument("--model", default="tiny", help="qat / qad: the tiny Llama, or a real model's name")
     p.add_argument("--workdir", help="keep the runs here (default: a temporary folder)")
     p.add_argument("--child", metavar="OUT", help=argparse.SUPPRESS)
     p.add_argument("--dist-child", metavar="OUT", help=argparse.SUPPRESS)
@@ -225,7 +242,7 @@ def main(argv: list[str] | None = None) -> dict:
         if args.mode == "convert":
             _faults_convert.child(Path(args.child), args.gguf, args.kill)
             return {}
-        _child(Path(args.child), args.mode, args.resume, args.kill)
+        _child(Path(args.child), args.mode, args.resume, args.kill, args.model)
         return {}
     import tempfile
 
@@ -252,7 +269,7 @@ def main(argv: list[str] | None = None) -> dict:
         elif mode in _faults_dist.SETTINGS:
             result[mode] = _faults_dist.measure(mode, kills, work, rng, progress)
         else:
-            result[mode] = measure_mode(mode, kills, args.threads, work, rng, phases)
+            result[mode] = measure_mode(mode, kills, args.threads, work, rng, phases, args.model)
     print(
         h.table_head(
             "| mode | phase | kills | resumed bit-exact | failed or half-written | not killed (ended first) |"

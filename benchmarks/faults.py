@@ -212,7 +212,7 @@ def measure_mode(
                 "exact": exact, "leftovers": _leftovers(out),
             })  # fmt: skip
             h.log(f"{mode} {phase} #{i}: died in {died_in} after {delay:.3f} s; resumed exact={exact}")
-            if model != "tiny" and exact and not bad:  # a real model's checkpoints: 1.7 GB each (SmolLM2)
+            if model != "tiny" and exact and not bad:  # a real model's checkpoints: 1.6 GB each (SmolLM2)
                 shutil.rmtree(out)
     return {
         "rows": rows,

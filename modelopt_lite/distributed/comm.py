@@ -123,9 +123,9 @@ def set_collective_timeout(seconds: float) -> bool:
     process group only when ``use_cpu`` is off."""
     from torch.distributed import distributed_c10d
 
-    setter = getattr(distributed_c10d, "_set_pg_timeout", None)  # (torch >= 2.3)
     if not is_distributed():
         return False
+    setter = getattr(distributed_c10d, "_set_pg_timeout", None)  # (torch >= 2.3)
     if setter is None:
         logger.warning(
             "this torch cannot change a process group's timeout (no distributed_c10d._set_pg_timeout): "

@@ -213,7 +213,7 @@ def _lost_rank_run(
             subprocess.Popen(
                 [sys.executable, *worker],
                 env={**env, **world, "RANK": str(r), "LOCAL_RANK": str(r)},
-                stderr=subprocess.PIPE,
+                stderr=subprocess.PIPE if r == 0 else subprocess.DEVNULL,  # (a pipe nobody reads can fill)
                 stdout=subprocess.DEVNULL,
                 text=True,
             )

@@ -1,6 +1,6 @@
 """``benchmarks/faults.py --modes ddp,fsdp2``: a 2-process QAT run (``torchrun --standalone
 --nproc_per_node 2``, gloo, one thread per rank) where rank 1 SIGKILLs itself at a random moment of the
-training phase.
+training phase, or (``--phases checkpoint``) while a checkpoint is written.
 
 Workload: the tiny Llama of the single-process modes, INT4 block-wise weights with learnable amax
 (``QATTrainer``), 6 steps of 2 x 16 tokens per rank, a checkpoint every 2 steps. ``ddp``: what accelerate
@@ -10,9 +10,11 @@ sharded checkpoints. At the end each job writes the final weights and amax, gath
 (``full_tensor`` of every DTensor under FSDP2), to ``final.safetensors``.
 
 Per setting, an uninterrupted job gives the reference and the length of its training phase (rank 1's
-``on_train_begin`` to the end of its last step, checkpoint writing included). Each trial: rank 1 arms a timer
-on ``on_train_begin`` that writes ``time.time()`` to ``died`` and then sends itself SIGKILL, after a delay
-drawn uniformly from that length; the launcher measures the time from that moment until the whole torchrun
+``on_train_begin`` to the end of its last step, checkpoint writing included) and of each checkpoint's
+writing (from the step's end to ``on_save``). Each trial: rank 1 arms a timer on ``on_train_begin`` (or,
+aimed at a checkpoint, at the end of the step that saves it) that writes ``time.time()`` to ``died`` and
+then sends itself SIGKILL, after a delay drawn uniformly from that length (or that checkpoint's); the
+launcher measures the time from that moment until the whole torchrun
 job has exited, and keeps the survivor's error (``error_0.json``, written by rank 0 as its exception leaves
 ``train``: none when the launcher's SIGTERM came first). The whole job is then launched again, with
 ``resume_from_checkpoint=True`` when a complete checkpoint exists (else from the start, as a user would),
@@ -21,6 +23,7 @@ and its final tensors compared with the reference bit for bit.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -37,10 +40,12 @@ import _harness as h
 
 STEPS, SAVE_EVERY, BATCH = 6, 2, 2
 SETTINGS = ("ddp", "fsdp2")
+PHASES = ("training", "checkpoint")
 
 
 def worker(out: Path, setting: str, resume: bool, kill: str | None) -> None:
-    """One rank of the job (under torchrun); ``kill``: ``training:DELAY`` (rank 1 dies)."""
+    """One rank of the job (under torchrun); ``kill``: ``training:DELAY`` or ``checkpoint:DELAY:STEP``
+    (rank 1 dies that long after training began, or after the step that saves ``checkpoint-STEP`` ended)."""
     import torch
     import torch.distributed as dist
     from safetensors.torch import save_file
@@ -50,7 +55,7 @@ def worker(out: Path, setting: str, resume: bool, kill: str | None) -> None:
     from modelopt_lite.training.checkpoints import checkpoint_problem
 
     rank = int(os.environ["RANK"])
-    delay = float(kill.split(":")[1]) if kill else None
+    target, delay, at_step = ([*kill.split(":"), ""])[:3] if kill else (None, None, "")
 
     def mark(phase: str) -> None:
         with open(out / f"phases_{rank}.jsonl", "a") as f:
@@ -60,17 +65,21 @@ def worker(out: Path, setting: str, resume: bool, kill: str | None) -> None:
         (out / "died").write_text(repr(time.time()))
         os.kill(os.getpid(), signal.SIGKILL)
 
+    def arm(phase: str, step: int = 0) -> None:
+        if rank == 1 and phase == target and (phase != "checkpoint" or step == int(at_step)):
+            threading.Timer(float(delay), die).start()
+
     class Marks(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
             mark("training")
-            if delay is not None and rank == 1:
-                threading.Timer(delay, die).start()
+            arm("training")
 
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step == STEPS:
                 mark("end")
             elif state.global_step % SAVE_EVERY == 0:
                 mark("checkpoint")
+                arm("checkpoint", state.global_step)
 
         def on_save(self, args, state, control, **kwargs):
             if state.global_step < STEPS:
@@ -176,28 +185,45 @@ def _survivor_error(out: Path, stderr: str) -> str | None:
     return h.portable_text(lines[-1].removeprefix("[rank0]:").strip()) if lines else None
 
 
-def measure(setting: str, kills: int, work: Path, rng: random.Random, progress: Any = None) -> dict:
-    """The mode's rows and trials (``progress(result)`` after each trial: what is measured so far)."""
+def measure(
+    setting: str,
+    kills: int,
+    work: Path,
+    rng: random.Random,
+    progress: Any = None,
+    phases: tuple[str, ...] = ("training",),
+) -> dict:
+    """The mode's rows (one per phase aimed at) and trials (``progress(result)`` after each trial: what is
+    measured so far)."""
     ref = work / f"{setting}_reference"
     job = _launch(ref, setting)
     if job["rc"] != 0:
         raise RuntimeError(
             f"{setting}: the uninterrupted job failed (rc {job['rc']}): {job['stderr'][-3000:]}"
         )
-    marks = {m["phase"]: m["t"] for m in reversed(_marks(ref, 1))}  # (the first of each phase)
-    length = next(m["t"] for m in _marks(ref, 1) if m["phase"] == "end") - marks["training"]
+    marks = _marks(ref, 1)
+    length = next(m["t"] for m in marks if m["phase"] == "end") - marks[0]["t"]
+    writing = [b["t"] - a["t"] for a, b in itertools.pairwise(marks) if a["phase"] == "checkpoint"]
+    saves = [(SAVE_EVERY * (n + 1), seconds) for n, seconds in enumerate(writing)]  # (checkpoint-2, -4)
     reference = _tensors(ref)
     if not reference or not any(k.endswith("_amax") for k in reference):
         raise RuntimeError(f"{setting}: the reference job wrote no final tensors with amax")
-    h.log(f"{setting}: reference job: training phase {length:.1f} s, {len(reference)} tensors")
-    row = {"kills": 0, "exact": 0, "failed_or_partial": 0, "not_killed": 0}
+    h.log(f"{setting}: reference job: training phase {length:.1f} s, checkpoints "
+          f"{', '.join(f'{s:.2f}' for _, s in saves)} s, {len(reference)} tensors")  # fmt: skip
+    rows = {p: {"kills": 0, "exact": 0, "failed_or_partial": 0, "not_killed": 0} for p in phases}
     trials: list[dict] = []
     exits: list[float] = []
-    result = {"rows": {"training": row}, "trials": trials, "training_seconds": round(length, 2)}
-    for i in range(kills):
-        out = work / f"{setting}_{i}"
-        delay = rng.uniform(0, length)
-        job = _launch(out, setting, kill=f"training:{delay:.4f}")
+    result = {"rows": rows, "trials": trials, "training_seconds": round(length, 2),
+              "checkpoint_seconds": {f"checkpoint-{n}": round(s, 3) for n, s in saves}}  # fmt: skip
+    for phase, i in ((p, i) for p in phases for i in range(kills)):
+        out = work / (f"{setting}_{i}" if phase == "training" else f"{setting}_{phase}_{i}")
+        row = rows[phase]
+        if phase == "training":
+            delay, kill = (d := rng.uniform(0, length)), f"training:{d:.4f}"
+        else:
+            step, seconds = saves[rng.randrange(len(saves))]
+            delay, kill = (d := rng.uniform(0, seconds)), f"checkpoint:{d:.4f}:{step}"
+        job = _launch(out, setting, kill=kill)
         if not (out / "died").is_file():
             row["not_killed"] += 1
             continue
@@ -217,13 +243,14 @@ def measure(setting: str, kills: int, work: Path, rng: random.Random, progress: 
         row["failed_or_partial"] += bad
         failed = {"resume_stderr": h.portable_text(resumed["stderr"][-3000:])} if resumed["rc"] else {}
         trials.append({
-            "delay_s": round(delay, 3), "died_in": before[-1] if before else "startup", "rc": job["rc"],
+            "target": phase, "delay_s": round(delay, 3), "died_in": before[-1] if before else "startup",
+            "rc": job["rc"],
             "death_to_exit_s": round(seconds, 3), "survivor_error": survivor, "summary_names_rank_1": summary,
             "survivor_terminated_by_launcher": launcher_term, "resume_rc": resumed["rc"], "exact": exact,
             "leftovers": left, **failed,
         })  # fmt: skip
-        h.log(f"{setting} #{i}: rank 1 died in {trials[-1]['died_in']} after {delay:.2f} s; job exited "
-              f"{seconds:.2f} s later; survivor: {(survivor or 'no error (terminated)')[:120]}; "
+        h.log(f"{setting} {phase} #{i}: rank 1 died in {trials[-1]['died_in']} after {delay:.2f} s; "
+              f"job exited {seconds:.2f} s later; survivor: {(survivor or 'no error (terminated)')[:120]}; "
               f"resumed exact={exact}")  # fmt: skip
         stats = {"min": min(exits), "median": statistics.median(exits), "max": max(exits)}
         result["death_to_exit_s"] = {k: round(v, 3) for k, v in stats.items()}

@@ -9,6 +9,7 @@ Published in ``docs/training.md``, "Killed at any moment" (the table and its com
 
     python benchmarks/faults.py --modes convert --kills 20     # _faults_convert.py: SmolLM2-135M converted
     python benchmarks/faults.py --modes ddp,fsdp2 --kills 20   # _faults_dist.py: torchrun, rank 1 dies
+    python benchmarks/faults.py --modes ddp --phases checkpoint # ... while a checkpoint is written
     python benchmarks/faults.py --model smollm2-135m --modes qat --phases training   # a real model
 
 Workload (one child process per run, ``--threads`` each): a tiny Llama built from a config (hidden 64, 2
@@ -226,7 +227,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--kills", type=int, default=20, help="kills per phase and mode")
     p.add_argument("--modes", default=",".join(MODES), help=f"from {[*MODES, *MORE_MODES]}")
     p.add_argument("--gguf", default="smollm2-135m", help="convert: the real model (a name or a .gguf file)")
-    p.add_argument("--phases", default=",".join(PHASES), help="the phases to kill in")
+    p.add_argument("--phases", help=f"where to kill (default {','.join(PHASES)}; ddp / fsdp2: training)")
     p.add_argument("--model", default="tiny", help="qat / qad: the tiny Llama, or a real model's name")
     p.add_argument("--workdir", help="keep the runs here (default: a temporary folder)")
     p.add_argument("--child", metavar="OUT", help=argparse.SUPPRESS)
@@ -253,7 +254,7 @@ def main(argv: list[str] | None = None) -> dict:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="faults_"))
     rng = random.Random(args.seed)
     start = time.time()
-    phases = tuple(h.csv(args.phases))
+    phases = tuple(h.csv(args.phases or ",".join(PHASES)))
     if set(phases) - set(PHASES):
         p.error(f"--phases from {list(PHASES)}")
     modes = h.csv(args.modes)
@@ -270,7 +271,10 @@ def main(argv: list[str] | None = None) -> dict:
         if mode == "convert":
             result[mode] = _faults_convert.measure(args.gguf, kills, args.threads, work, rng, progress)
         elif mode in _faults_dist.SETTINGS:
-            result[mode] = _faults_dist.measure(mode, kills, work, rng, progress)
+            aimed = tuple(x for x in phases if x in _faults_dist.PHASES) if args.phases else ("training",)
+            if not aimed:
+                p.error(f"--modes {mode}: --phases from {list(_faults_dist.PHASES)}")
+            result[mode] = _faults_dist.measure(mode, kills, work, rng, progress, aimed)
         else:
             result[mode] = measure_mode(mode, kills, args.threads, work, rng, phases, args.model)
     print(

@@ -12,6 +12,7 @@ from .comm import (
     is_distributed,
     naming_lost_rank,
     rank,
+    record_ranks,
     set_collective_timeout,
     world_size,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "is_sharded",
     "naming_lost_rank",
     "rank",
+    "record_ranks",
     "set_collective_timeout",
     "shard_frozen",
     "unsharded_class",

@@ -5,6 +5,8 @@
 * :func:`naming_lost_rank`: a collective that fails inside the block because a peer went away (its process
   died) raises :class:`RankFailedError` naming the phase instead of the backend's bare transport error;
 * :func:`set_collective_timeout`: bound how long a collective waits for a rank that hung;
+* :func:`record_ranks`: learn each rank's host and process id, so that the survivor of a lost rank names it
+  (``rank 1 (pid 4242, exited)``);
 * :func:`check_same_on_all_ranks`: refuse to go on when ranks disagree (e.g. on the set of quantizers);
 * :func:`all_reduce_max`: element-wise max of named tensors across ranks, where a rank may lack some of
   them (an expert that saw no tokens there);
@@ -18,9 +20,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import socket
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,6 +45,7 @@ __all__ = [
     "is_distributed",
     "naming_lost_rank",
     "rank",
+    "record_ranks",
     "set_collective_timeout",
     "world_size",
 ]
@@ -105,15 +112,72 @@ def _agree(failed: torch.Tensor, what: str, timeout: float | None) -> None:
 
 def _lost(what: str, err: BaseException) -> RankFailedError:
     if _timed_out(err):
+        who = _who(("stopped",), wait=0.0) or _the_other_rank()
         return RankFailedError(
-            f"{what}: rank {rank()} waited the process group's whole timeout for another rank, which hung or "
-            f"is far behind (a stopped or swapping process, a stuck node; set the bound with "
+            f"{what}: rank {rank()} waited the process group's whole timeout for {who}, which hung or is far "
+            f"behind (a stopped or swapping process, a stuck node; set the bound with "
             f"TrainingArguments(ddp_timeout=SECONDS)): {err}"
         )
+    who = _who(("exited",), wait=1.0)
+    if who:
+        return RankFailedError(f"{what}: rank {rank()} lost contact with {who}: {err}")
     return RankFailedError(
-        f"{what}: rank {rank()} lost contact with another rank, which probably died (the launcher's summary "
-        f"names it): {err}"
+        f"{what}: rank {rank()} lost contact with {_the_other_rank()}, which probably died (the launcher's "
+        f"summary names it): {err}"
     )
+
+
+_RANKS: list[tuple[str, int]] = []  # every rank's (host, process id), once record_ranks ran
+
+
+def record_ranks() -> None:
+    """Learn every rank's host and process id (one collective: call it on every rank, as the trainers do
+    when they are built), so that a rank which loses another names it: ``rank 1 (pid 4242, exited)``, or
+    ``(pid 4242, stopped)`` for one that hung. Only ranks on this rank's host can be looked at; without the
+    record a 2-process job names the other rank, a larger one says "another rank". No-op in one process."""
+    if not is_distributed():
+        return
+    gathered: list[Any] = [None] * world_size()
+    dist.all_gather_object(gathered, [socket.gethostname(), os.getpid()])
+    _RANKS[:] = [(str(host), int(pid)) for host, pid in gathered]
+
+
+def _state(pid: int) -> str:
+    """``exited``, ``stopped`` or ``running``: a process of this host, from ``/proc`` where there is one."""
+    if not Path("/proc/self/stat").is_file():
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return "exited"
+        except PermissionError:
+            pass
+        return "running"
+    try:
+        code = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "exited"
+    return {"Z": "exited", "X": "exited", "T": "stopped", "t": "stopped"}.get(code, "running")
+
+
+def _who(states: tuple[str, ...], wait: float) -> str:
+    """The other ranks on this host whose process is in one of ``states`` (looking again for up to ``wait``
+    seconds: a killed process closes its connections a moment before it is marked exited); "" if none."""
+    if len(_RANKS) != world_size():
+        return ""
+    host, me, deadline = socket.gethostname(), rank(), time.monotonic() + wait
+    while True:
+        found = [
+            f"rank {r} (pid {pid}, {state})"
+            for r, (where, pid) in enumerate(_RANKS)
+            if r != me and where == host and (state := _state(pid)) in states
+        ]
+        if found or time.monotonic() >= deadline:
+            return " and ".join(found)
+        time.sleep(0.05)
+
+
+def _the_other_rank() -> str:
+    return f"rank {1 - rank()}" if world_size() == 2 else "another rank"
 
 
 def set_collective_timeout(seconds: float) -> bool:

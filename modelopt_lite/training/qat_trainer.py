@@ -30,7 +30,7 @@ from transformers import Trainer, TrainingArguments
 from ..allocator import MallocPolicy
 from ..data import check_sequence_length
 from ..distributed import all_ranks_succeed, is_sharded, naming_lost_rank, rank, unsharded_class, world_size
-from ..distributed.comm import set_collective_timeout
+from ..distributed.comm import record_ranks, set_collective_timeout
 from ..export.shards import ShardWriter
 from ..logging import get_logger
 from ..nn.lora import is_peft_model, lora_deploy
@@ -91,8 +91,7 @@ class QATTrainer(Trainer):
         self.gc_policy = GCPolicy(self.quant_args.manual_gc, self.quant_args.gc_refreeze_every)
         self.add_callback(_GCCallback(self.gc_policy))
         self.add_callback(CompleteCheckpointCallback())
-        tuning = self.quant_args.malloc_tuning
-        on = tuning == "on" or (tuning == "auto" and self.args.device.type == "cpu")
+        on = {"on": True, "auto": self.args.device.type == "cpu"}.get(self.quant_args.malloc_tuning, False)
         self.malloc_policy = MallocPolicy(on, self.quant_args.malloc_mmap_threshold_mb * 2**20)
         self._amax_params: dict[str, torch.nn.Parameter] = {}
         self._quantized_by_me = False
@@ -122,6 +121,7 @@ class QATTrainer(Trainer):
                 "TrainingArguments(use_cpu=True) (--use_cpu true) or launch with `accelerate launch --cpu`"
             )
         self._warn_if_fsdp_was_dropped()
+        record_ranks()  # (so that the survivor of a lost rank names it)
         asked = self.args.ddp_timeout  # (transformers hands it to the process group only without use_cpu)
         if self.args.use_cpu and asked != TrainingArguments.ddp_timeout and set_collective_timeout(asked):
             logger.info("collectives wait at most ddp_timeout=%s s for another rank", asked)

@@ -264,3 +264,39 @@ def test_awq_lite_group_loss_sums_each_layers_relative_error():
         expected += float(((x / s) @ wq.t() - y).pow(2).sum() / y.pow(2).sum())
     got = awq._group_loss(group, {t.name: x for t in group}, s)
     assert got == pytest.approx(expected, rel=1e-4)
+
+
+def _awq_model(group_scale: str | None = None, per_layer: bool = False, monkeypatch=None):
+    import modelopt_lite.quantization.algorithms.awq as awq
+
+    if per_layer:
+        monkeypatch.setattr(awq, "groups", lambda targets, stats: [[t] for t in targets])
+    cfg = copy.deepcopy(mtq.INT4_AWQ_CFG)
+    cfg["algorithm"] = {"method": "awq_lite", "alpha_step": 0.1}
+    if group_scale is not None:
+        cfg["algorithm"]["group_scale"] = group_scale
+    model = tiny_llama(layers=1, hidden=128)
+    mtq.quantize(model, cfg, batches())
+    return model.model.layers[0]
+
+
+def test_awq_group_scale_mean_gives_a_group_the_mean_of_its_layers_own_scales(monkeypatch):
+    """``group_scale="mean"``: q/k/v (and gate/up) each searched alone, then one scale for the group whose
+    ``pre_quant_scale`` is the mean of theirs (the reference's export); ``"joint"`` searches it once."""
+    alone = _awq_model(per_layer=True, monkeypatch=monkeypatch).self_attn
+    monkeypatch.undo()
+    mean = _awq_model("mean").self_attn
+    joint = _awq_model().self_attn
+    own = [getattr(alone, p).input_quantizer.pre_quant_scale for p in ("q_proj", "k_proj", "v_proj")]
+    assert not torch.equal(own[0], own[1]) or not torch.equal(own[1], own[2])  # each layer its own scale
+    shared = mean.q_proj.input_quantizer.pre_quant_scale
+    for p in ("k_proj", "v_proj"):
+        assert torch.equal(getattr(mean, p).input_quantizer.pre_quant_scale, shared)  # deployable: one scale
+    assert torch.allclose(shared, torch.stack(own).mean(0), rtol=1e-5)
+    searched_once = joint.q_proj.input_quantizer.pre_quant_scale  # (None: the joint search kept s = 1)
+    assert searched_once is None or not torch.allclose(searched_once, shared, rtol=1e-3)
+
+
+def test_awq_group_scale_is_validated():
+    with pytest.raises(ValueError, match="group_scale"):
+        _awq_model("median")

@@ -151,3 +151,43 @@ def test_kv_cache_probe_finds_the_layer_whose_key_bias_fp8_rounds_away(tmp_path:
     assert kl["K only"] > 10 * kl["V only"]
     assert kl["K+V, K of layer(s) 0 unquantized"] < 0.2 * kl["K+V"]
     assert kl["K+V affine"] < 0.2 * kl["K+V"]
+
+
+def test_awq_probe_splits_the_rows_loss_into_weights_and_inputs_per_window(tmp_path: Path) -> None:
+    """``benchmarks/awq_probe.py`` on a tiny Llama: its windows sum to what ``real_ptq.py`` measures for
+    the same row, the FP8 inputs add to the weights' loss, and ``--per-layer`` changes the search."""
+    import awq_probe
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import modelopt_lite.quantization as mtq
+    from modelopt_lite.cli.ptq import build_config
+    from modelopt_lite.export.layers import unify_shared_scales
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=128)  # fmt: skip
+    LlamaForCausalLM(cfg).eval().save_pretrained(tmp_path / "m")
+    model = LlamaForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(1)
+    calib = torch.randint(0, VOCAB, (4, 64), generator=gen)
+    test = torch.randint(0, VOCAB, (6, 64), generator=gen)
+    save_file({"calib": calib, "test": test}, str(tmp_path / "data.safetensors"))
+    peer.write_reference(model, test, tmp_path / "reference_logprobs", 4)
+    common = ["--model-dir", str(tmp_path / "m"), "--workdir", str(tmp_path), "--eval-windows", "6"]
+    out = awq_probe.main([*common, "--threads", "1", "--json", str(tmp_path / "p.json")])
+    with torch.no_grad():
+        mtq.quantize(model, build_config("w4a8_awq", "none"), list(calib.split(4)))
+    unify_shared_scales(model)
+    row = peer.measure(model, test, tmp_path / "reference_logprobs", 4)
+    assert [w["window"] for w in out["windows"]["as is"]] == list(range(6))
+    assert out["summary"]["as is"]["nll"] == pytest.approx(sum(row["batch_nll"]), rel=1e-5)
+    assert out["summary"]["as is"]["kl"] == pytest.approx(row["kl"], rel=1e-4)
+    assert out["summary"]["inputs off"]["kl"] < out["summary"]["as is"]["kl"]
+    assert all(0 <= w["clipped_fraction"] < 1 for w in out["windows"]["as is"])
+    import modelopt_lite.quantization.algorithms.awq as awq
+
+    grouping = awq.groups
+    per_layer = awq_probe.main([*common, "--threads", "1", "--per-layer"])
+    assert awq.groups is grouping  # (the switch is undone)
+    assert per_layer["summary"]["per layer"]["nll"] != pytest.approx(out["summary"]["as is"]["nll"], rel=1e-6)

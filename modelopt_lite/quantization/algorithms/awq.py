@@ -15,7 +15,10 @@
 * ``awq_full``: lite, then clip.
 
 Options: ``alpha_step``, ``clip_ratios`` (or the reference's ``min_clip_ratio`` / ``shrink_step``, which give
-the same grid), ``max_tokens`` (sample rows kept per layer), ``debug`` (log each group's alpha at INFO).
+the same grid), ``max_tokens`` (sample rows kept per layer), ``group_scale`` (``"joint"``, the default: one
+search for the group as above; ``"mean"``: each layer of the group searched alone, then the group given the
+mean of their ``pre_quant_scale``, what the reference's export makes of its per-layer scales), ``debug``
+(log each group's alpha at INFO).
 
 Each expert is searched on its own tokens; an expert that received none keeps its max-calibrated amax
 (logged at INFO with the count). Targets are processed one transformer block at a time, layer by layer
@@ -114,14 +117,12 @@ def _exponents(alpha_step: float) -> list[tuple[float, float]]:
     return [(i / steps, 1.0 - i / steps) for i in range(steps + 1)]
 
 
-def _lite_group(group: list[Target], stats: dict, alpha_step: float) -> float | None:
-    seen = [stats[t.name] for t in group if stats[t.name].count]
-    if not seen:
-        return None
-    act = torch.stack([st.abssum for st in seen]).sum(0) / sum(st.count for st in seen)
+def _search(
+    group: list[Target], samples: dict[str, torch.Tensor], act: torch.Tensor, alpha_step: float
+) -> tuple[float | None, torch.Tensor | None]:
+    """The group's best ``(alpha, s)`` by :func:`_group_loss`; ``(None, None)`` when no scaling wins."""
     block = getattr(group[0].weight_quantizer, "block_sizes", None) or {}
     wmag = _weight_magnitude(group, block.get(-1) or group[0].weight().shape[-1])
-    samples = {t.name: stats[t.name].sample() for t in group if stats[t.name].count}
     # no smoothing (s = 1) is a candidate too, so the search never ends worse than plain max calibration
     reference = _group_reference(group, samples)
     best, best_alpha, best_s = _group_loss(group, samples, torch.ones_like(act), reference), None, None
@@ -131,6 +132,26 @@ def _lite_group(group: list[Target], stats: dict, alpha_step: float) -> float | 
         loss = _group_loss(group, samples, s, reference)
         if loss < best:
             best, best_alpha, best_s = loss, a, s
+    return best_alpha, best_s
+
+
+def _lite_group(
+    group: list[Target], stats: dict, alpha_step: float, group_scale: str = "joint"
+) -> float | None:
+    seen = [stats[t.name] for t in group if stats[t.name].count]
+    if not seen:
+        return None
+    act = torch.stack([st.abssum for st in seen]).sum(0) / sum(st.count for st in seen)
+    samples = {t.name: stats[t.name].sample() for t in group if stats[t.name].count}
+    if group_scale == "joint" or len(samples) < 2:
+        best_alpha, best_s = _search(group, samples, act, alpha_step)
+    else:  # each layer's own search, then the mean of their pre_quant_scale (1 / s): the reference's export
+        found = [_search([t], samples, act, alpha_step) for t in group if t.name in samples]
+        alphas = [a for a, _ in found if a is not None]
+        if not alphas:
+            return None
+        inverse = torch.stack([1 / s if s is not None else torch.ones_like(act) for _, s in found]).mean(0)
+        best_alpha, best_s = sum(alphas) / len(alphas), 1 / inverse
     if best_s is not None:
         apply_input_scale(group, best_s)
     return best_alpha
@@ -177,11 +198,14 @@ def _run(model: nn.Module, forward_loop: ForwardLoop | None, name: str, lite: bo
             raise ValueError(f"{name}: need 0 < min_clip_ratio < 1 and 0 < shrink_step <= 1")
         ratios = tuple(round(1.0 - step * i, 6) for i in range(int((1.0 - low) / step + 1e-9) + 1))
     max_rows = int(opts.pop("max_tokens", 2048))
+    group_scale = opts.pop("group_scale", "joint")
+    if group_scale not in ("joint", "mean"):
+        raise ValueError(f"{name}: group_scale={group_scale!r} must be 'joint' or 'mean'")
     debug = opts.pop("debug", False)
     if opts:
         raise ValueError(
             f"{name}: unknown option(s) {sorted(opts)} (alpha_step, clip_ratios, min_clip_ratio, "
-            "shrink_step, max_tokens, debug)"
+            "shrink_step, max_tokens, group_scale, debug)"
         )
     if not 0 < alpha_step <= 1:
         raise ValueError(f"{name}: alpha_step={alpha_step} must lie in (0, 1]")
@@ -194,7 +218,7 @@ def _run(model: nn.Module, forward_loop: ForwardLoop | None, name: str, lite: bo
         nonlocal idle, alphas
         idle += sum(t.expert is not None and not stats[t.name].count for t in block)
         for g in groups(block, stats):
-            alpha = _lite_group(g, stats, alpha_step)
+            alpha = _lite_group(g, stats, alpha_step, group_scale)
             if debug:  # the reference's AWQ debug option: each group's alpha
                 logger.info("%s: %s -> alpha %s", name, ", ".join(t.name for t in g), alpha)
             alphas += [] if alpha is None else [alpha]

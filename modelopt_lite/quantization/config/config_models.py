@@ -313,6 +313,7 @@ class AWQLiteCalibConfig(QuantizeAlgorithmConfig):
 
     method: Literal["awq_lite"] = "awq_lite"
     alpha_step: _Fraction = 0.1
+    group_scale: Literal["joint", "mean"] | None = "joint"
     debug: bool | None = False
 
 
@@ -332,6 +333,7 @@ class AWQFullCalibConfig(AWQClipCalibConfig):
 
     method: Literal["awq_full"] = "awq_full"  # type: ignore[assignment]
     alpha_step: _Fraction = 0.1
+    group_scale: Literal["joint", "mean"] | None = "joint"
 
 
 class SVDQuantConfig(QuantizeAlgorithmConfig):

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import _harness as h
+import _probe
 
 
 def _per_window(model: Any, test: Any, ref_dir: Path, name: str, track: dict | None = None) -> list[dict]:
@@ -100,10 +101,7 @@ def _watch(quantizers: dict[str, Any], seen: dict, peaks: bool = False) -> list[
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = h.parser(__doc__)
-    p.add_argument("--model", default="qwen2.5-coder-1.5b", help="a real model of modelopt_lite.models")
-    p.add_argument("--model-dir", help="a Hugging Face checkpoint folder instead of --model")
-    p.add_argument("--workdir", required=True, help="a real_ptq.py --workdir of the same model")
-    p.add_argument("--eval-windows", type=int, default=8)
+    _probe.add_flags(p, eval_windows=8)
     p.add_argument("--qformat", default="w4a8_awq", help="an AWQ --qformat of the PTQ command line")
     p.add_argument("--per-layer", action="store_true", help="search each layer alone (see above)")
     p.add_argument("--group-scale", default="joint", help="awq_lite's group_scale: joint or mean")
@@ -113,20 +111,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     h.pin_threads(args.threads)
     start = time.perf_counter()
     import torch
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
 
     import modelopt_lite.quantization as mtq
     from modelopt_lite.cli.ptq import build_config
     from modelopt_lite.export.layers import unify_shared_scales
-    from modelopt_lite.models import real_model_path
 
-    work = Path(args.workdir)
-    data = load_file(str(work / "data.safetensors"))
-    test, ref_dir = data["test"][: args.eval_windows], work / "reference_logprobs"
-    model = AutoModelForCausalLM.from_pretrained(
-        args.model_dir or real_model_path(args.model), dtype=torch.float32
-    ).eval()
+    data, test, ref_dir, load = _probe.inputs(args)
+    model = load()
     import modelopt_lite.quantization.algorithms.awq as awq
 
     grouping = awq.groups

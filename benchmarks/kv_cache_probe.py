@@ -24,10 +24,10 @@ scale rounds to a coarse grid (E4M3's top binade has a step of 32 / 448 of the a
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
 import _harness as h
+import _probe
 import _real_ptq_peer as peer
 
 SLOTS = ("k_bmm_quantizer", "v_bmm_quantizer")
@@ -59,10 +59,7 @@ def _kv_only(model: Any, preset: str, calib: Any, batch: int) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = h.parser(__doc__)
-    p.add_argument("--model", default="qwen2.5-coder-1.5b", help="a real model of modelopt_lite.models")
-    p.add_argument("--model-dir", help="a Hugging Face checkpoint folder instead of --model")
-    p.add_argument("--workdir", required=True, help="a real_ptq.py --workdir of the same model")
-    p.add_argument("--eval-windows", type=int, default=2)
+    _probe.add_flags(p, eval_windows=2)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--kv", default="FP8_KV_CFG", help="the KV preset")
     p.add_argument("--affine", default="FP8_AFFINE_KV_CFG", help="its affine variant ('' to skip the row)")
@@ -71,19 +68,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     h.pin_threads(args.threads)
     start = time.perf_counter()
-    import torch
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
-
-    from modelopt_lite.models import real_model_path
-
-    work = Path(args.workdir)
-    data = load_file(str(work / "data.safetensors"))
-    test, ref_dir = data["test"][: args.eval_windows], str(work / "reference_logprobs")
-
-    def load() -> Any:
-        path = args.model_dir or real_model_path(args.model)
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    data, test, ref_dir, load = _probe.inputs(args)
 
     def row(name: str, model: Any) -> dict[str, Any]:
         m = peer.measure(model, test, ref_dir, args.batch_size)

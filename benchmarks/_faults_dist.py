@@ -202,7 +202,8 @@ def measure(
             f"{setting}: the uninterrupted job failed (rc {job['rc']}): {job['stderr'][-3000:]}"
         )
     marks = _marks(ref, 1)
-    length = next(m["t"] for m in marks if m["phase"] == "end") - marks[0]["t"]
+    begun = next(m["t"] for m in marks if m["phase"] == "training")  # (on_train_begin; calibration before)
+    length = next(m["t"] for m in marks if m["phase"] == "end") - begun
     writing = [b["t"] - a["t"] for a, b in itertools.pairwise(marks) if a["phase"] == "checkpoint"]
     saves = [(SAVE_EVERY * (n + 1), seconds) for n, seconds in enumerate(writing)]  # (checkpoint-2, -4)
     reference = _tensors(ref)

@@ -220,10 +220,12 @@ def measure(
         out = work / (f"{setting}_{i}" if phase == "training" else f"{setting}_{phase}_{i}")
         row = rows[phase]
         if phase == "training":
-            delay, kill = (d := rng.uniform(0, length)), f"training:{d:.4f}"
+            delay = rng.uniform(0, length)
+            kill = f"training:{delay:.4f}"
         else:
             step, seconds = saves[rng.randrange(len(saves))]
-            delay, kill = (d := rng.uniform(0, seconds)), f"checkpoint:{d:.4f}:{step}"
+            delay = rng.uniform(0, seconds)
+            kill = f"checkpoint:{delay:.4f}:{step}"
         job = _launch(out, setting, kill=kill)
         if not (out / "died").is_file():
             row["not_killed"] += 1

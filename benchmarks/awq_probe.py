@@ -21,7 +21,14 @@ log-likelihood, KL(unquantized || row) per predicted token):
 * ``--per-layer``: instead, the AWQ search run on each layer alone (q, k, v, gate and up each with its own
   scale, as the reference's ``awq_lite`` searches; not deployable with fused q/k/v), measured as is;
 * ``--group-scale mean``: the rows above with ``awq_lite``'s ``group_scale="mean"`` (each layer searched
-  alone, the group given the mean of their ``pre_quant_scale``: deployable).
+  alone, the group given the mean of their ``pre_quant_scale``: deployable);
+* ``--group-loss output`` / ``regret``: with that ``awq_lite`` ``group_loss`` (how the joint search weighs
+  a group's layers).
+
+``--split validation`` measures on windows of the corpus' validation split instead (made, with their
+unquantized log-probabilities, in ``--workdir`` on first use): choose between levers there, report on the
+test windows. Every run also prints, for the layers with a bias, the share of their output that the inputs
+make on the calibration windows (``||x W^T||^2 / ||x W^T + b||^2``; JSON ``bias_share``).
 """
 
 from __future__ import annotations
@@ -99,12 +106,41 @@ def _watch(quantizers: dict[str, Any], seen: dict, peaks: bool = False) -> list[
     return [q.register_forward_pre_hook(hook(n)) for n, q in quantizers.items()]
 
 
+def _bias_share(model: Any, calib: Any) -> dict[str, float]:
+    """For each linear layer with a bias, ``||x W^T||^2 / ||x W^T + b||^2`` on the calibration windows
+    (float model): how much of its output the inputs make (tiny where a bias dominates, as in Qwen2's
+    k_proj); ``awq_lite``'s default ``group_loss`` divides each layer's error by the numerator, ``"output"``
+    by the denominator."""
+    import torch
+
+    sums: dict[str, list[float]] = {}
+
+    def hook(name: str) -> Any:
+        def f(module: Any, args: Any, out: Any) -> None:
+            xw = args[0].reshape(-1, args[0].shape[-1]).float() @ module.weight.float().t()
+            s = sums.setdefault(name, [0.0, 0.0])
+            s[0] += float(xw.pow(2).sum())
+            s[1] += float((xw + module.bias.float()).pow(2).sum())
+
+        return f
+
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    hooks = [m.register_forward_hook(hook(n)) for n, m in linears if m.bias is not None]
+    with torch.no_grad():
+        for batch in calib.split(4):
+            model(input_ids=batch)
+    for hk in hooks:
+        hk.remove()
+    return {n: s[0] / max(s[1], 1e-30) for n, s in sums.items()}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = h.parser(__doc__)
     _probe.add_flags(p, eval_windows=8)
     p.add_argument("--qformat", default="w4a8_awq", help="an AWQ --qformat of the PTQ command line")
     p.add_argument("--per-layer", action="store_true", help="search each layer alone (see above)")
     p.add_argument("--group-scale", default="joint", help="awq_lite's group_scale: joint or mean")
+    p.add_argument("--group-loss", default="relative", help="awq_lite's group_loss: relative, output, regret")
     p.add_argument("--as-is-only", action="store_true", help="only the 'as is' row")
     h.common(p, threads=2, json="write the rows here")
     args = p.parse_args(argv)
@@ -118,6 +154,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     data, test, ref_dir, load = _probe.inputs(args)
     model = load()
+    share = _bias_share(model, data["calib"])
+    for name, r in sorted(share.items(), key=lambda kv: kv[1])[:5]:
+        print(f"bias share: {name}: ||xW||^2 / ||xW + b||^2 = {r:.4f}", flush=True)
     import modelopt_lite.quantization.algorithms.awq as awq
 
     grouping = awq.groups
@@ -129,7 +168,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             cfg = build_config(args.qformat, "none")
             algorithm = cfg["algorithm"]
             cfg["algorithm"] = {**({"method": algorithm} if isinstance(algorithm, str) else algorithm),
-                                "group_scale": args.group_scale}  # fmt: skip
+                                "group_scale": args.group_scale, "group_loss": args.group_loss}  # fmt: skip
             mtq.quantize(model, cfg, list(data["calib"].split(4)))
     finally:
         awq.groups = grouping
@@ -167,7 +206,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"{name:<16} summed nll {nll:.2f}  KL {kl:.4f}")
     meta = h.run_meta(__file__, argv, time.perf_counter() - start)
     out = {**meta, "model": args.model_dir or args.model, "qformat": args.qformat,
-           "group_scale": args.group_scale, "calib_s": round(calib_s, 1), "summary": summary,
+           "group_scale": args.group_scale, "group_loss": args.group_loss, "split": args.split,
+           "bias_share": {n: round(r, 6) for n, r in share.items()},
+           "calib_s": round(calib_s, 1), "summary": summary,
            "windows": rows}  # fmt: skip
     h.write_json(args.json, out)
     return out

@@ -266,7 +266,88 @@ def test_awq_lite_group_loss_sums_each_layers_relative_error():
     assert got == pytest.approx(expected, rel=1e-4)
 
 
-def _awq_model(group_scale: str | None = None, per_layer: bool = False, monkeypatch=None):
+def _biased_group(bias_scale: float = 50.0):
+    """Two layers reading one input, ``a`` with a bias far larger than its ``x W^T`` (as Qwen2's k_proj)."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"a": nn.Linear(64, 32), "b": nn.Linear(64, 32, bias=False)})
+    with torch.no_grad():
+        model["a"].bias.normal_().mul_(bias_scale)
+    rules = [
+        {"quantizer_name": "*", "enable": False},
+        {"quantizer_name": "*weight_quantizer", "cfg": INT4_BLOCK},
+    ]
+    mtq.quantize(model, {"quant_cfg": rules, "algorithm": "max"})
+    return model, linear_targets(model)
+
+
+def test_awq_group_loss_output_divides_each_error_by_the_layers_whole_output():
+    """``group_loss="output"``: a layer's error over ``||x W^T + b||^2`` (its bias included), so a layer
+    whose bias dominates its output weighs less; without a bias it is the default's relative error."""
+    from modelopt_lite.quantization.algorithms import awq
+
+    _, group = _biased_group()
+    x = _inputs(n=256, outliers=(3,))
+    samples = {t.name: x for t in group}
+    s = torch.rand(64, generator=torch.Generator().manual_seed(1)) + 0.5
+    expected = {"relative": 0.0, "output": 0.0}
+    for t in group:
+        w, b = t.weight().detach(), t.module.bias
+        wq = mtq.TensorQuantizer(**INT4_BLOCK).calibrate(w * s)(w * s)
+        err = float(((x / s) @ wq.t() - x @ w.t()).pow(2).sum())
+        expected["relative"] += err / float((x @ w.t()).pow(2).sum())
+        full = x @ w.t() + (b.detach() if b is not None else 0.0)
+        expected["output"] += err / float(full.pow(2).sum())
+    for loss, want in expected.items():
+        got = awq._group_loss(group, samples, s, awq._group_reference(group, samples, loss))
+        assert got == pytest.approx(want, rel=1e-4), loss
+    assert expected["output"] < 0.5 * expected["relative"]  # the bias made a's term small
+    unbiased = [t for t in group if t.module.bias is None]
+    assert (
+        awq._group_reference(unbiased, samples, "output")["b"][1]
+        == awq._group_reference(unbiased, samples)["b"][1]
+    )
+
+
+def test_awq_group_loss_regret_weighs_each_layer_by_its_own_best_error():
+    """``group_loss="regret"``: the joint search minimises the sum over layers of each layer's error divided
+    by the smallest error that layer reaches searched alone on the same grid."""
+    from modelopt_lite.quantization.algorithms import awq
+
+    _, group = _biased_group(bias_scale=0.0)
+    x = _inputs(n=256, outliers=(3, 17))
+    samples = {t.name: x for t in group}
+    act = x.abs().mean(0)
+    wmag = awq._weight_magnitude(group, 32)
+    candidates = [torch.ones_like(act)]
+    for a, b in awq._exponents(0.25):
+        c = act.clamp_min(1e-8).pow(a) / wmag.clamp_min(1e-8).pow(b)
+        candidates.append((c / (c.max() * c.min()).sqrt()).clamp(1e-4, 1e4))
+    alone = {}
+    for t in group:  # each layer's own best over the same candidates (its own weight magnitude)
+        wm = awq._weight_magnitude([t], 32)
+        own = [torch.ones_like(act)]
+        for a, b in awq._exponents(0.25):
+            c = act.clamp_min(1e-8).pow(a) / wm.clamp_min(1e-8).pow(b)
+            own.append((c / (c.max() * c.min()).sqrt()).clamp(1e-4, 1e4))
+        alone[t.name] = min(awq._group_loss([t], samples, c) for c in own)
+    want = min(sum(awq._group_loss([t], samples, c) / alone[t.name] for t in group) for c in candidates)
+    _, _, got = awq._search(group, samples, act, 0.25, "regret")
+    assert got == pytest.approx(want, rel=1e-4)
+    _, _, relative = awq._search(group, samples, act, 0.25)
+    assert relative != pytest.approx(got, rel=1e-3)
+
+
+def test_awq_group_loss_is_validated_and_reaches_the_config_models():
+    from modelopt_lite.quantization.config.config_models import AWQLiteCalibConfig
+
+    with pytest.raises(ValueError, match="group_loss"):
+        _awq_model(group_loss="l1")
+    assert AWQLiteCalibConfig(group_loss="regret").group_loss == "regret"
+    with pytest.raises(ValueError, match="group_loss"):
+        AWQLiteCalibConfig(group_loss="l1")
+
+
+def _awq_model(group_scale: str | None = None, per_layer: bool = False, monkeypatch=None, **options):
     import modelopt_lite.quantization.algorithms.awq as awq
 
     if per_layer:
@@ -275,6 +356,7 @@ def _awq_model(group_scale: str | None = None, per_layer: bool = False, monkeypa
     cfg["algorithm"] = {"method": "awq_lite", "alpha_step": 0.1}
     if group_scale is not None:
         cfg["algorithm"]["group_scale"] = group_scale
+    cfg["algorithm"].update(options)
     model = tiny_llama(layers=1, hidden=128)
     mtq.quantize(model, cfg, batches())
     return model.model.layers[0]

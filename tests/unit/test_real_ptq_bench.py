@@ -157,7 +157,7 @@ def test_awq_probe_splits_the_rows_loss_into_weights_and_inputs_per_window(tmp_p
     """``benchmarks/awq_probe.py`` on a tiny Llama: its windows sum to what ``real_ptq.py`` measures for
     the same row, the FP8 inputs add to the weights' loss, and ``--per-layer`` changes the search."""
     import awq_probe
-    from safetensors.torch import save_file
+    from safetensors.torch import load_file, save_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import modelopt_lite.quantization as mtq
@@ -168,6 +168,7 @@ def test_awq_probe_splits_the_rows_loss_into_weights_and_inputs_per_window(tmp_p
     cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=128)  # fmt: skip
     LlamaForCausalLM(cfg).eval().save_pretrained(tmp_path / "m")
+    word_tokenizer().save_pretrained(tmp_path / "m")  # (for --split validation's windows)
     model = LlamaForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(1)
     calib = torch.randint(0, VOCAB, (4, 64), generator=gen)
@@ -191,3 +192,46 @@ def test_awq_probe_splits_the_rows_loss_into_weights_and_inputs_per_window(tmp_p
     per_layer = awq_probe.main([*common, "--threads", "1", "--per-layer"])
     assert awq.groups is grouping  # (the switch is undone)
     assert per_layer["summary"]["per layer"]["nll"] != pytest.approx(out["summary"]["as is"]["nll"], rel=1e-6)
+    # --split validation: windows of the corpus' validation split, made and referenced once per workdir
+    val = awq_probe.main([*common, "--threads", "1", "--split", "validation", "--as-is-only"])
+    (stored,) = tmp_path.glob("validation_6x64.safetensors")
+    windows = load_file(str(stored))["validation"]
+    assert windows.shape == (6, 64)
+    assert not torch.equal(windows, test)
+    row = peer.measure(model, windows, tmp_path / "validation_6x64_logprobs", 4)  # the same quantized model
+    assert val["split"] == "validation"
+    assert val["summary"]["as is"]["nll"] == pytest.approx(sum(row["batch_nll"]), rel=1e-5)
+    made = stored.stat().st_mtime_ns
+    regret = awq_probe.main([*common, "--threads", "1", "--split", "validation", "--as-is-only",
+                             "--group-loss", "regret"])  # fmt: skip
+    assert stored.stat().st_mtime_ns == made  # reused
+    assert regret["group_loss"] == "regret"
+    with pytest.raises(ValueError, match="group_loss"):  # handed to awq_lite as it is
+        awq_probe.main(
+            [*common, "--threads", "1", "--split", "validation", "--as-is-only", "--group-loss", "l1"]
+        )
+
+
+def test_awq_probe_bias_share_is_the_inputs_part_of_each_biased_layers_output() -> None:
+    """``awq_probe._bias_share``: ``||x W^T||^2 / ||x W^T + b||^2`` per biased linear, small where the bias
+    dominates (a large k_proj bias, as Qwen2.5's), absent for layers without a bias."""
+    import awq_probe
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=VOCAB, attention_bias=True)  # fmt: skip
+    model = LlamaForCausalLM(cfg).eval()
+    attn = model.model.layers[0].self_attn
+    with torch.no_grad():
+        attn.k_proj.bias.fill_(100.0)
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
+    seen = {}
+    attn.q_proj.register_forward_hook(lambda m, a, o: seen.setdefault("x", a[0].detach()))
+    share = awq_probe._bias_share(model, ids)
+    assert set(share) == {f"model.layers.0.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    x = seen["x"].reshape(-1, 64)
+    xw = x @ attn.q_proj.weight.t()
+    want = float(xw.pow(2).sum() / (xw + attn.q_proj.bias).pow(2).sum())
+    assert share["model.layers.0.self_attn.q_proj"] == pytest.approx(want, rel=1e-5)
+    assert share["model.layers.0.self_attn.k_proj"] < 0.01 < share["model.layers.0.self_attn.q_proj"]

@@ -17,7 +17,11 @@
 Options: ``alpha_step``, ``clip_ratios`` (or the reference's ``min_clip_ratio`` / ``shrink_step``, which give
 the same grid), ``max_tokens`` (sample rows kept per layer), ``group_scale`` (``"joint"``, the default: one
 search for the group as above; ``"mean"``: each layer of the group searched alone, then the group given the
-mean of their ``pre_quant_scale``, what the reference's export makes of its per-layer scales), ``debug``
+mean of their ``pre_quant_scale``, what the reference's export makes of its per-layer scales),
+``group_loss`` (how the joint search weighs the group's layers: ``"relative"``, the default, as above;
+``"output"``: each error divided by the layer's whole output ``||X W^T + b||^2``, which differs from the
+default only for layers with a bias, such as Qwen2's q/k/v, where a large bias can leave ``X W^T`` small;
+``"regret"``: each layer's relative error divided by the smallest it reaches searched alone), ``debug``
 (log each group's alpha at INFO).
 
 Each expert is searched on its own tokens; an expert that received none keeps its max-calibrated amax
@@ -46,6 +50,7 @@ from .smoothquant import apply_input_scale
 __all__ = ["awq_clip", "awq_full", "awq_lite"]
 
 logger = get_logger(__name__)
+GROUP_LOSSES = ("relative", "output", "regret")
 _CLIP_RATIOS = tuple(round(1.0 - 0.05 * i, 2) for i in range(11))  # 1.0 .. 0.5
 
 
@@ -95,18 +100,26 @@ def _group_loss(
     return loss
 
 
+def _bias(t: Target) -> torch.Tensor | None:
+    bias = getattr(t.module, "bias", None) if t.expert is None else None
+    return bias.detach().float() if isinstance(bias, torch.Tensor) else None
+
+
 @torch.no_grad()
 def _group_reference(
-    group: list[Target], samples: dict[str, torch.Tensor]
+    group: list[Target], samples: dict[str, torch.Tensor], group_loss: str = "relative"
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Each layer's unquantized output ``X W^T`` on its samples and ``||X W^T||^2`` (computed once per
-    search, not once per candidate)."""
+    """Each layer's unquantized output ``X W^T`` on its samples and the squared norm its error is divided
+    by (computed once per search, not once per candidate): ``||X W^T||^2``, or with ``group_loss="output"``
+    that of the layer's whole output ``||X W^T + b||^2``."""
     out = {}
     for t in group:
         x = samples.get(t.name)
         if x is not None:
             y = x @ t.weight().detach().float().t()
-            out[t.name] = (y, y.pow(2).sum().clamp_min(1e-30))
+            bias = _bias(t) if group_loss == "output" else None
+            full = y if bias is None else y + bias
+            out[t.name] = (y, full.pow(2).sum().clamp_min(1e-30))
     return out
 
 
@@ -118,13 +131,20 @@ def _exponents(alpha_step: float) -> list[tuple[float, float]]:
 
 
 def _search(
-    group: list[Target], samples: dict[str, torch.Tensor], act: torch.Tensor, alpha_step: float
-) -> tuple[float | None, torch.Tensor | None]:
-    """The group's best ``(alpha, s)`` by :func:`_group_loss`; ``(None, None)`` when no scaling wins."""
+    group: list[Target], samples: dict[str, torch.Tensor], act: torch.Tensor, alpha_step: float,
+    group_loss: str = "relative",
+) -> tuple[float | None, torch.Tensor | None, float]:  # fmt: skip
+    """The group's best ``(alpha, s, loss)`` by :func:`_group_loss` (``alpha`` and ``s`` ``None`` when no
+    scaling wins); ``group_loss="regret"`` divides each layer's term by the smallest it reaches alone."""
     block = getattr(group[0].weight_quantizer, "block_sizes", None) or {}
     wmag = _weight_magnitude(group, block.get(-1) or group[0].weight().shape[-1])
+    reference = _group_reference(group, samples, group_loss)
+    if group_loss == "regret" and len(reference) > 1:
+        for t in group:
+            if t.name in reference:
+                y, norm = reference[t.name]
+                reference[t.name] = (y, norm * _search([t], samples, act, alpha_step)[2])
     # no smoothing (s = 1) is a candidate too, so the search never ends worse than plain max calibration
-    reference = _group_reference(group, samples)
     best, best_alpha, best_s = _group_loss(group, samples, torch.ones_like(act), reference), None, None
     for a, b in _exponents(alpha_step):
         s = act.clamp_min(1e-8).pow(a) / wmag.clamp_min(1e-8).pow(b)
@@ -132,21 +152,22 @@ def _search(
         loss = _group_loss(group, samples, s, reference)
         if loss < best:
             best, best_alpha, best_s = loss, a, s
-    return best_alpha, best_s
+    return best_alpha, best_s, max(best, 1e-30)
 
 
 def _lite_group(
-    group: list[Target], stats: dict, alpha_step: float, group_scale: str = "joint"
-) -> float | None:
+    group: list[Target], stats: dict, alpha_step: float, group_scale: str = "joint",
+    group_loss: str = "relative",
+) -> float | None:  # fmt: skip
     seen = [stats[t.name] for t in group if stats[t.name].count]
     if not seen:
         return None
     act = torch.stack([st.abssum for st in seen]).sum(0) / sum(st.count for st in seen)
     samples = {t.name: stats[t.name].sample() for t in group if stats[t.name].count}
     if group_scale == "joint" or len(samples) < 2:
-        best_alpha, best_s = _search(group, samples, act, alpha_step)
+        best_alpha, best_s, _ = _search(group, samples, act, alpha_step, group_loss)
     else:  # each layer's own search, then the mean of their pre_quant_scale (1 / s): the reference's export
-        found = [_search([t], samples, act, alpha_step) for t in group if t.name in samples]
+        found = [_search([t], samples, act, alpha_step)[:2] for t in group if t.name in samples]
         alphas = [a for a, _ in found if a is not None]
         if not alphas:
             return None
@@ -201,11 +222,14 @@ def _run(model: nn.Module, forward_loop: ForwardLoop | None, name: str, lite: bo
     group_scale = opts.pop("group_scale", "joint")
     if group_scale not in ("joint", "mean"):
         raise ValueError(f"{name}: group_scale={group_scale!r} must be 'joint' or 'mean'")
+    group_loss = opts.pop("group_loss", "relative")
+    if group_loss not in GROUP_LOSSES:
+        raise ValueError(f"{name}: group_loss={group_loss!r} must be one of {list(GROUP_LOSSES)}")
     debug = opts.pop("debug", False)
     if opts:
         raise ValueError(
             f"{name}: unknown option(s) {sorted(opts)} (alpha_step, clip_ratios, min_clip_ratio, "
-            "shrink_step, max_tokens, group_scale, debug)"
+            "shrink_step, max_tokens, group_scale, group_loss, debug)"
         )
     if not 0 < alpha_step <= 1:
         raise ValueError(f"{name}: alpha_step={alpha_step} must lie in (0, 1]")
@@ -218,7 +242,7 @@ def _run(model: nn.Module, forward_loop: ForwardLoop | None, name: str, lite: bo
         nonlocal idle, alphas
         idle += sum(t.expert is not None and not stats[t.name].count for t in block)
         for g in groups(block, stats):
-            alpha = _lite_group(g, stats, alpha_step, group_scale)
+            alpha = _lite_group(g, stats, alpha_step, group_scale, group_loss)
             if debug:  # the reference's AWQ debug option: each group's alpha
                 logger.info("%s: %s -> alpha %s", name, ", ".join(t.name for t in g), alpha)
             alphas += [] if alpha is None else [alpha]

@@ -300,11 +300,13 @@ def test_awq_group_loss_output_divides_each_error_by_the_layers_whole_output():
     for loss, want in expected.items():
         got = awq._group_loss(group, samples, s, awq._group_reference(group, samples, loss))
         assert got == pytest.approx(want, rel=1e-4), loss
+    default = awq._group_loss(group, samples, s, awq._group_reference(group, samples))
+    assert default == pytest.approx(expected["output"], rel=1e-4)  # the default since 2026-12-07
     assert expected["output"] < 0.5 * expected["relative"]  # the bias made a's term small
     unbiased = [t for t in group if t.module.bias is None]
     assert (
         awq._group_reference(unbiased, samples, "output")["b"][1]
-        == awq._group_reference(unbiased, samples)["b"][1]
+        == awq._group_reference(unbiased, samples, "relative")["b"][1]
     )
 
 
@@ -333,7 +335,7 @@ def test_awq_group_loss_regret_weighs_each_layer_by_its_own_best_error():
     want = min(sum(awq._group_loss([t], samples, c) / alone[t.name] for t in group) for c in candidates)
     _, _, got = awq._search(group, samples, act, 0.25, "regret")
     assert got == pytest.approx(want, rel=1e-4)
-    _, _, relative = awq._search(group, samples, act, 0.25)
+    _, _, relative = awq._search(group, samples, act, 0.25, "relative")
     assert relative != pytest.approx(got, rel=1e-3)
 
 

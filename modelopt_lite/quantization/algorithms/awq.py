@@ -4,11 +4,13 @@
   preceding norm), search ``alpha`` on a grid of step ``alpha_step`` for the input-channel scale
   ``s = mean|X|**alpha / w_mag**(1 - alpha)`` (normalised so that ``max(s) * min(s) = 1``) minimising the
   sum over the group's layers of each layer's *relative* output error
-  ``|| X W^T - (X / s) Q(W s)^T ||^2 / || X W^T ||^2`` on sample inputs, with no scaling as a candidate
-  too; apply it like SmoothQuant (``pre_quant_scale = 1 / s``, weight columns times ``s``). The relative
-  error keeps the layer with the largest outputs (often ``v_proj``) from deciding the scale of the whole
-  group alone. (The reference library searches each layer's own scale; a shared one is what export can
-  fold into the norm.)
+  ``|| X W^T - (X / s) Q(W s)^T ||^2 / || X W^T + b ||^2`` on sample inputs (``b``: the layer's bias, if
+  any), with no scaling as a candidate too; apply it like SmoothQuant (``pre_quant_scale = 1 / s``, weight
+  columns times ``s``). The relative error keeps the layer with the largest outputs (often ``v_proj``) from
+  deciding the scale of the whole group alone; the bias in the denominator keeps a layer whose output is
+  mostly bias (Qwen2's ``k_proj``, where ``||X W^T||^2`` can be 1/5000 of the whole) from deciding it
+  instead. (The reference library searches each layer's own scale; a shared one is what export can fold
+  into the norm.)
 * ``awq_clip``: per weight block (per channel for per-channel formats), search the amax ratio on
   ``clip_ratios`` minimising the block's contribution to the output error ``d^T (X_b^T X_b) d``; formats
   with one global amax (NVFP4, FP8 per tensor) search one ratio per weight.
@@ -18,10 +20,10 @@ Options: ``alpha_step``, ``clip_ratios`` (or the reference's ``min_clip_ratio`` 
 the same grid), ``max_tokens`` (sample rows kept per layer), ``group_scale`` (``"joint"``, the default: one
 search for the group as above; ``"mean"``: each layer of the group searched alone, then the group given the
 mean of their ``pre_quant_scale``, what the reference's export makes of its per-layer scales),
-``group_loss`` (how the joint search weighs the group's layers: ``"relative"``, the default, as above;
-``"output"``: each error divided by the layer's whole output ``||X W^T + b||^2``, which differs from the
-default only for layers with a bias, such as Qwen2's q/k/v, where a large bias can leave ``X W^T`` small;
-``"regret"``: each layer's relative error divided by the smallest it reaches searched alone), ``debug``
+``group_loss`` (how the joint search weighs the group's layers: ``"output"``, the default, as above;
+``"relative"``: each error divided by ``||X W^T||^2`` without the bias, the default until 2026-12-07, which
+differs only for layers with a bias; ``"regret"``: each layer's ``"relative"`` error divided by the smallest
+it reaches searched alone), ``debug``
 (log each group's alpha at INFO).
 
 Each expert is searched on its own tokens; an expert that received none keeps its max-calibrated amax
@@ -107,11 +109,11 @@ def _bias(t: Target) -> torch.Tensor | None:
 
 @torch.no_grad()
 def _group_reference(
-    group: list[Target], samples: dict[str, torch.Tensor], group_loss: str = "relative"
+    group: list[Target], samples: dict[str, torch.Tensor], group_loss: str = "output"
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Each layer's unquantized output ``X W^T`` on its samples and the squared norm its error is divided
-    by (computed once per search, not once per candidate): ``||X W^T||^2``, or with ``group_loss="output"``
-    that of the layer's whole output ``||X W^T + b||^2``."""
+    by (computed once per search, not once per candidate): that of the layer's whole output
+    ``||X W^T + b||^2`` (``group_loss="output"``), or ``||X W^T||^2``."""
     out = {}
     for t in group:
         x = samples.get(t.name)
@@ -132,7 +134,7 @@ def _exponents(alpha_step: float) -> list[tuple[float, float]]:
 
 def _search(
     group: list[Target], samples: dict[str, torch.Tensor], act: torch.Tensor, alpha_step: float,
-    group_loss: str = "relative",
+    group_loss: str = "output",
 ) -> tuple[float | None, torch.Tensor | None, float]:  # fmt: skip
     """The group's best ``(alpha, s, loss)`` by :func:`_group_loss` (``alpha`` and ``s`` ``None`` when no
     scaling wins); ``group_loss="regret"`` divides each layer's term by the smallest it reaches alone."""
@@ -143,7 +145,7 @@ def _search(
         for t in group:
             if t.name in reference:
                 y, norm = reference[t.name]
-                reference[t.name] = (y, norm * _search([t], samples, act, alpha_step)[2])
+                reference[t.name] = (y, norm * _search([t], samples, act, alpha_step, "relative")[2])
     # no smoothing (s = 1) is a candidate too, so the search never ends worse than plain max calibration
     best, best_alpha, best_s = _group_loss(group, samples, torch.ones_like(act), reference), None, None
     for a, b in _exponents(alpha_step):
@@ -157,7 +159,7 @@ def _search(
 
 def _lite_group(
     group: list[Target], stats: dict, alpha_step: float, group_scale: str = "joint",
-    group_loss: str = "relative",
+    group_loss: str = "output",
 ) -> float | None:  # fmt: skip
     seen = [stats[t.name] for t in group if stats[t.name].count]
     if not seen:
@@ -222,7 +224,7 @@ def _run(model: nn.Module, forward_loop: ForwardLoop | None, name: str, lite: bo
     group_scale = opts.pop("group_scale", "joint")
     if group_scale not in ("joint", "mean"):
         raise ValueError(f"{name}: group_scale={group_scale!r} must be 'joint' or 'mean'")
-    group_loss = opts.pop("group_loss", "relative")
+    group_loss = opts.pop("group_loss", "output")
     if group_loss not in GROUP_LOSSES:
         raise ValueError(f"{name}: group_loss={group_loss!r} must be one of {list(GROUP_LOSSES)}")
     debug = opts.pop("debug", False)

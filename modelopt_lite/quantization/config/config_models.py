@@ -314,7 +314,7 @@ class AWQLiteCalibConfig(QuantizeAlgorithmConfig):
     method: Literal["awq_lite"] = "awq_lite"
     alpha_step: _Fraction = 0.1
     group_scale: Literal["joint", "mean"] | None = "joint"
-    group_loss: Literal["relative", "output", "regret"] | None = "relative"
+    group_loss: Literal["relative", "output", "regret"] | None = "output"
     debug: bool | None = False
 
 
@@ -335,7 +335,7 @@ class AWQFullCalibConfig(AWQClipCalibConfig):
     method: Literal["awq_full"] = "awq_full"  # type: ignore[assignment]
     alpha_step: _Fraction = 0.1
     group_scale: Literal["joint", "mean"] | None = "joint"
-    group_loss: Literal["relative", "output", "regret"] | None = "relative"
+    group_loss: Literal["relative", "output", "regret"] | None = "output"
 
 
 class SVDQuantConfig(QuantizeAlgorithmConfig):

@@ -39,7 +39,7 @@ def inputs(args: argparse.Namespace) -> tuple[dict[str, Any], Any, Path, Callabl
     def load() -> Any:
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
-    if getattr(args, "split", "test") == "test":
+    if args.split == "test":
         return data, data["test"][: args.eval_windows], work / "reference_logprobs", load
     return data, *_validation(work, path, data["test"].shape[1], args.eval_windows, load), load
 

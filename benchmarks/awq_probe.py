@@ -109,8 +109,8 @@ def _watch(quantizers: dict[str, Any], seen: dict, peaks: bool = False) -> list[
 def _bias_share(model: Any, calib: Any) -> dict[str, float]:
     """For each linear layer with a bias, ``||x W^T||^2 / ||x W^T + b||^2`` on the calibration windows
     (float model): how much of its output the inputs make (tiny where a bias dominates, as in Qwen2's
-    k_proj); ``awq_lite``'s default ``group_loss`` divides each layer's error by the numerator, ``"output"``
-    by the denominator."""
+    k_proj); ``awq_lite``'s ``group_loss="relative"`` divides each layer's error by the numerator, its
+    default ``"output"`` by the denominator."""
     import torch
 
     sums: dict[str, list[float]] = {}
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--qformat", default="w4a8_awq", help="an AWQ --qformat of the PTQ command line")
     p.add_argument("--per-layer", action="store_true", help="search each layer alone (see above)")
     p.add_argument("--group-scale", default="joint", help="awq_lite's group_scale: joint or mean")
-    p.add_argument("--group-loss", default="relative", help="awq_lite's group_loss: relative, output, regret")
+    p.add_argument("--group-loss", help="awq_lite's group_loss: output (its default), relative, regret")
     p.add_argument("--as-is-only", action="store_true", help="only the 'as is' row")
     h.common(p, threads=2, json="write the rows here")
     args = p.parse_args(argv)
@@ -159,6 +159,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"bias share: {name}: ||xW||^2 / ||xW + b||^2 = {r:.4f}", flush=True)
     import modelopt_lite.quantization.algorithms.awq as awq
 
+    group_loss = args.group_loss or awq.GROUP_LOSSES[0]  # as real_ptq.py's row: the library's default
     grouping = awq.groups
     if args.per_layer:  # (a benchmark-local switch of the search's grouping; the library has no such option)
         awq.groups = lambda targets, stats: [[t] for t in targets]
@@ -168,7 +169,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             cfg = build_config(args.qformat, "none")
             algorithm = cfg["algorithm"]
             cfg["algorithm"] = {**({"method": algorithm} if isinstance(algorithm, str) else algorithm),
-                                "group_scale": args.group_scale, "group_loss": args.group_loss}  # fmt: skip
+                                "group_scale": args.group_scale, "group_loss": group_loss}  # fmt: skip
             mtq.quantize(model, cfg, list(data["calib"].split(4)))
     finally:
         awq.groups = grouping
@@ -206,7 +207,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"{name:<16} summed nll {nll:.2f}  KL {kl:.4f}")
     meta = h.run_meta(__file__, argv, time.perf_counter() - start)
     out = {**meta, "model": args.model_dir or args.model, "qformat": args.qformat,
-           "group_scale": args.group_scale, "group_loss": args.group_loss, "split": args.split,
+           "group_scale": args.group_scale, "group_loss": group_loss, "split": args.split,
            "bias_share": {n: round(r, 6) for n, r in share.items()},
            "calib_s": round(calib_s, 1), "summary": summary,
            "windows": rows}  # fmt: skip

@@ -52,7 +52,7 @@ from .smoothquant import apply_input_scale
 __all__ = ["awq_clip", "awq_full", "awq_lite"]
 
 logger = get_logger(__name__)
-GROUP_LOSSES = ("relative", "output", "regret")
+GROUP_LOSSES = ("output", "relative", "regret")  # the first is the default
 _CLIP_RATIOS = tuple(round(1.0 - 0.05 * i, 2) for i in range(11))  # 1.0 .. 0.5
 
 
@@ -224,7 +224,7 @@ def _run(model: nn.Module, forward_loop: ForwardLoop | None, name: str, lite: bo
     group_scale = opts.pop("group_scale", "joint")
     if group_scale not in ("joint", "mean"):
         raise ValueError(f"{name}: group_scale={group_scale!r} must be 'joint' or 'mean'")
-    group_loss = opts.pop("group_loss", "output")
+    group_loss = opts.pop("group_loss", GROUP_LOSSES[0])
     if group_loss not in GROUP_LOSSES:
         raise ValueError(f"{name}: group_loss={group_loss!r} must be one of {list(GROUP_LOSSES)}")
     debug = opts.pop("debug", False)

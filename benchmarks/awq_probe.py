@@ -1,4 +1,5 @@
-"""Where does an AWQ row lose on a real model: the weights or the FP8 inputs, clipping, the shared search?
+"""Where does an AWQ (or SmoothQuant) row lose on a real model: the weights or the inputs, clipping, the
+shared search?
 
 Published in ``docs/model_families.md``, "W4A8 AWQ on eight windows":
 
@@ -23,7 +24,10 @@ log-likelihood, KL(unquantized || row) per predicted token):
 * ``--group-scale mean``: the rows above with ``awq_lite``'s ``group_scale="mean"`` (each layer searched
   alone, the group given the mean of their ``pre_quant_scale``: deployable);
 * ``--group-loss output`` / ``regret``: with that ``awq_lite`` ``group_loss`` (how the joint search weighs
-  a group's layers).
+  a group's layers);
+* ``--qformat int8_sq`` (SmoothQuant: INT8 weights per channel, INT8 per-tensor inputs) with ``--alpha A``:
+  the smoothing strength (``s_j = max|X_j|^A / max|W_:j|^(1 - A)``; the preset's is 1.0); the rows above
+  then split its loss between the INT8 weights and the INT8 inputs.
 
 ``--split validation`` measures on windows of the corpus' validation split instead (made, with their
 unquantized log-probabilities, in ``--workdir`` on first use): choose between levers there, report on the
@@ -137,10 +141,13 @@ def _bias_share(model: Any, calib: Any) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = h.parser(__doc__)
     _probe.add_flags(p, eval_windows=8)
-    p.add_argument("--qformat", default="w4a8_awq", help="an AWQ --qformat of the PTQ command line")
+    p.add_argument(
+        "--qformat", default="w4a8_awq", help="an AWQ --qformat of the PTQ command line, or int8_sq"
+    )
     p.add_argument("--per-layer", action="store_true", help="search each layer alone (see above)")
     p.add_argument("--group-scale", default="joint", help="awq_lite's group_scale: joint or mean")
     p.add_argument("--group-loss", help="awq_lite's group_loss: output (its default), relative, regret")
+    p.add_argument("--alpha", type=float, help="smoothquant's alpha (int8_sq only; the preset's: 1.0)")
     p.add_argument("--as-is-only", action="store_true", help="only the 'as is' row")
     h.common(p, threads=2, json="write the rows here")
     args = p.parse_args(argv)
@@ -149,17 +156,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import torch
 
     import modelopt_lite.quantization as mtq
+    import modelopt_lite.quantization.algorithms.awq as awq
     from modelopt_lite.cli.ptq import build_config
     from modelopt_lite.export.layers import unify_shared_scales
 
+    algorithm = build_config(args.qformat, "none")["algorithm"]
+    method = algorithm if isinstance(algorithm, str) else algorithm["method"]
+    if method == "smoothquant":
+        if args.per_layer or args.group_loss or args.group_scale != "joint":
+            raise SystemExit(
+                "--per-layer, --group-scale and --group-loss are AWQ options; int8_sq takes --alpha"
+            )
+        options = {} if args.alpha is None else {"alpha": args.alpha}
+        group_loss = None
+    elif args.alpha is not None:
+        raise SystemExit(
+            f"--alpha is smoothquant's (--qformat int8_sq); {args.qformat} calibrates with {method}"
+        )
+    else:
+        group_loss = args.group_loss or awq.GROUP_LOSSES[0]  # as real_ptq.py's row: the library's default
+        options = {"group_scale": args.group_scale, "group_loss": group_loss}
     data, test, ref_dir, load = _probe.inputs(args)
     model = load()
     share = _bias_share(model, data["calib"])
     for name, r in sorted(share.items(), key=lambda kv: kv[1])[:5]:
         print(f"bias share: {name}: ||xW||^2 / ||xW + b||^2 = {r:.4f}", flush=True)
-    import modelopt_lite.quantization.algorithms.awq as awq
-
-    group_loss = args.group_loss or awq.GROUP_LOSSES[0]  # as real_ptq.py's row: the library's default
     grouping = awq.groups
     if args.per_layer:  # (a benchmark-local switch of the search's grouping; the library has no such option)
         awq.groups = lambda targets, stats: [[t] for t in targets]
@@ -167,9 +188,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         with torch.no_grad():
             cfg = build_config(args.qformat, "none")
-            algorithm = cfg["algorithm"]
-            cfg["algorithm"] = {**({"method": algorithm} if isinstance(algorithm, str) else algorithm),
-                                "group_scale": args.group_scale, "group_loss": group_loss}  # fmt: skip
+            cfg["algorithm"] = {
+                "method": method,
+                **({} if isinstance(algorithm, str) else algorithm),
+                **options,
+            }
             mtq.quantize(model, cfg, list(data["calib"].split(4)))
     finally:
         awq.groups = grouping
@@ -207,7 +230,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"{name:<16} summed nll {nll:.2f}  KL {kl:.4f}")
     meta = h.run_meta(__file__, argv, time.perf_counter() - start)
     out = {**meta, "model": args.model_dir or args.model, "qformat": args.qformat,
-           "group_scale": args.group_scale, "group_loss": group_loss, "split": args.split,
+           "group_scale": args.group_scale, "group_loss": group_loss, "alpha": options.get("alpha"),
+           "split": args.split,
            "bias_share": {n: round(r, 6) for n, r in share.items()},
            "calib_s": round(calib_s, 1), "summary": summary,
            "windows": rows}  # fmt: skip

@@ -44,9 +44,9 @@ def test_killed_conversions_convert_again_to_the_same_files(tmp_path: Path) -> N
     ("setting", "seed"),
     # ddp: seed 12 draws 0.47 of the reference's training phase (about step 3, after checkpoint-2 is
     # written): far from its end, as later runs are faster than the first (seed 0 drew 0.84 and once
-    # outlasted the killed run). fsdp2: seed 1 draws the kill early in step 1, before the first checkpoint,
-    # so the relaunch starts again. Resuming FSDP2 with learnable amax from a checkpoint is not exact yet
-    # (docs/training.md, "A rank killed in a 2-process run"): a later kill would fail on that, not on the kill.
+    # outlasted the killed run). fsdp2: seed 1 draws the kill early in step 1, before the first
+    # checkpoint, so the relaunch starts again. Resuming FSDP2 with learnable amax from a checkpoint is not
+    # exact yet (docs/training.md, "A rank killed in a 2-process run"): a later kill would fail on that.
     [("ddp", 12), ("fsdp2", 1)],
 )
 def test_a_rank_killed_in_training_stops_the_job_and_the_relaunch_resumes_exactly(

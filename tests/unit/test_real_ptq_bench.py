@@ -7,6 +7,7 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -153,16 +154,12 @@ def test_kv_cache_probe_finds_the_layer_whose_key_bias_fp8_rounds_away(tmp_path:
     assert kl["K+V affine"] < 0.2 * kl["K+V"]
 
 
-def test_awq_probe_splits_the_rows_loss_into_weights_and_inputs_per_window(tmp_path: Path) -> None:
-    """``benchmarks/awq_probe.py`` on a tiny Llama: its windows sum to what ``real_ptq.py`` measures for
-    the same row, the FP8 inputs add to the weights' loss, and ``--per-layer`` changes the search."""
-    import awq_probe
-    from safetensors.torch import load_file, save_file
+def _probe_workdir(tmp_path: Path) -> tuple[list[str], Any, Any, Any]:
+    """A tiny Llama saved with a word tokenizer and a ``real_ptq.py``-like workdir (calibration and test
+    windows, the test windows' unquantized log-probabilities): the probe's common flags, the float model,
+    the calibration and the test windows."""
+    from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    import modelopt_lite.quantization as mtq
-    from modelopt_lite.cli.ptq import build_config
-    from modelopt_lite.export.layers import unify_shared_scales
 
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
@@ -176,6 +173,20 @@ def test_awq_probe_splits_the_rows_loss_into_weights_and_inputs_per_window(tmp_p
     save_file({"calib": calib, "test": test}, str(tmp_path / "data.safetensors"))
     peer.write_reference(model, test, tmp_path / "reference_logprobs", 4)
     common = ["--model-dir", str(tmp_path / "m"), "--workdir", str(tmp_path), "--eval-windows", "6"]
+    return common, model, calib, test
+
+
+def test_awq_probe_splits_the_rows_loss_into_weights_and_inputs_per_window(tmp_path: Path) -> None:
+    """``benchmarks/awq_probe.py`` on a tiny Llama: its windows sum to what ``real_ptq.py`` measures for
+    the same row, the FP8 inputs add to the weights' loss, and ``--per-layer`` changes the search."""
+    import awq_probe
+    from safetensors.torch import load_file
+
+    import modelopt_lite.quantization as mtq
+    from modelopt_lite.cli.ptq import build_config
+    from modelopt_lite.export.layers import unify_shared_scales
+
+    common, model, calib, test = _probe_workdir(tmp_path)
     out = awq_probe.main([*common, "--threads", "1", "--json", str(tmp_path / "p.json")])
     with torch.no_grad():
         mtq.quantize(model, build_config("w4a8_awq", "none"), list(calib.split(4)))
@@ -212,6 +223,39 @@ def test_awq_probe_splits_the_rows_loss_into_weights_and_inputs_per_window(tmp_p
         )
 
 
+def test_awq_probe_measures_smoothquant_at_the_alpha_asked(tmp_path: Path) -> None:
+    """``awq_probe.py --qformat int8_sq --alpha A``: the row is SmoothQuant at that alpha (what
+    ``mtq.quantize`` gives with it, not the preset's 1.0), split into the INT8 weights' and the inputs'
+    share; AWQ's options are refused for it, and ``--alpha`` for an AWQ row."""
+    import awq_probe
+
+    import modelopt_lite.quantization as mtq
+    from modelopt_lite.cli.ptq import build_config
+    from modelopt_lite.export.layers import unify_shared_scales
+
+    common, model, calib, test = _probe_workdir(tmp_path)
+    argv = [*common, "--threads", "1", "--qformat", "int8_sq"]
+    half = awq_probe.main([*argv, "--alpha", "0.5"])
+    with torch.no_grad():
+        cfg = build_config("int8_sq", "none")
+        mtq.quantize(
+            model, {**cfg, "algorithm": {"method": "smoothquant", "alpha": 0.5}}, list(calib.split(4))
+        )
+    unify_shared_scales(model)
+    row = peer.measure(model, test, tmp_path / "reference_logprobs", 4)
+    assert half["alpha"] == 0.5
+    assert half["group_loss"] is None
+    assert half["summary"]["as is"]["nll"] == pytest.approx(sum(row["batch_nll"]), rel=1e-5)
+    assert half["summary"]["inputs off"]["kl"] < half["summary"]["as is"]["kl"]
+    preset = awq_probe.main([*argv, "--as-is-only"])
+    assert preset["alpha"] is None
+    assert preset["summary"]["as is"]["nll"] != pytest.approx(half["summary"]["as is"]["nll"], rel=1e-6)
+    with pytest.raises(SystemExit, match="AWQ options"):
+        awq_probe.main([*argv, "--group-loss", "regret"])
+    with pytest.raises(SystemExit, match="--alpha is smoothquant's"):
+        awq_probe.main([*common, "--threads", "1", "--alpha", "0.5"])
+
+
 def test_awq_probe_bias_share_is_the_inputs_part_of_each_biased_layers_output() -> None:
     """``awq_probe._bias_share``: ``||x W^T||^2 / ||x W^T + b||^2`` per biased linear, small where the bias
     dominates (a large k_proj bias, as Qwen2.5's), absent for layers without a bias."""
@@ -231,7 +275,7 @@ def test_awq_probe_bias_share_is_the_inputs_part_of_each_biased_layers_output() 
     share = awq_probe._bias_share(model, ids)
     assert set(share) == {f"model.layers.0.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
     x = seen["x"].reshape(-1, 64)
-    xw = x @ attn.q_proj.weight.t()
-    want = float(xw.pow(2).sum() / (xw + attn.q_proj.bias).pow(2).sum())
+    xw = x @ attn.q_proj.weight.detach().t()
+    want = float(xw.pow(2).sum() / (xw + attn.q_proj.bias.detach()).pow(2).sum())
     assert share["model.layers.0.self_attn.q_proj"] == pytest.approx(want, rel=1e-5)
     assert share["model.layers.0.self_attn.k_proj"] < 0.01 < share["model.layers.0.self_attn.q_proj"]

@@ -5,7 +5,7 @@ training phase, or (``--phases checkpoint``) while a checkpoint is written.
 Workload: the tiny Llama of the single-process modes, INT4 block-wise weights with learnable amax
 (``QATTrainer``), 6 steps of 2 x 16 tokens per rank, a checkpoint every 2 steps. ``ddp``: what accelerate
 builds under torchrun on CPU (DDP). ``fsdp2``: the same trainer with FSDP2 put back after the accelerator is
-built (accelerate turns FSDP into DDP on CPU: a benchmark-local shim, as in ``tests/unit/_dist_worker.py``),
+built (accelerate turns FSDP into DDP on CPU: ``_harness.fsdp2_on_cpu``, the shim the tests use too),
 sharded checkpoints. At the end each job writes the final weights and amax, gathered whole on rank 0
 (``full_tensor`` of every DTensor under FSDP2), to ``final.safetensors``.
 
@@ -85,7 +85,7 @@ def worker(out: Path, setting: str, resume: bool, kill: str | None) -> None:
             if state.global_step < STEPS:
                 mark("training")
 
-    trainer_class = QATTrainer if setting == "ddp" else _fsdp2_trainer()
+    trainer_class = QATTrainer if setting == "ddp" else h.fsdp2_on_cpu(QATTrainer)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 128, (64, 16), generator=g)
     args = h.cpu_training_args(str(out / "run"), STEPS, BATCH, 1e-3)
@@ -116,28 +116,6 @@ def worker(out: Path, setting: str, resume: bool, kill: str | None) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # (gloo sometimes aborts in torch's static destructors after a finished FSDP2 run)
-
-
-def _fsdp2_trainer():
-    """``QATTrainer`` with FSDP2 put back after accelerate built its accelerator (benchmark-local: on CPU
-    accelerate silently makes FSDP into DDP; the library itself patches nothing)."""
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-
-    from modelopt_lite import QATTrainer
-
-    class FSDP2OnCPU(QATTrainer):
-        def create_accelerator_and_postprocess(self):
-            super().create_accelerator_and_postprocess()
-            self.accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(
-                fsdp_version=2,
-                auto_wrap_policy="transformer_based_wrap",
-                transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
-                state_dict_type="SHARDED_STATE_DICT",
-            )
-            self.accelerator.state.distributed_type = DistributedType.FSDP
-            self.is_fsdp_enabled = True
-
-    return FSDP2OnCPU
 
 
 def _launch(out: Path, setting: str, resume: bool = False, kill: str | None = None) -> dict:

@@ -186,6 +186,28 @@ def cpu_training_args(output_dir: str, steps: int, batch: int, lr: float) -> Any
     )  # fmt: skip
 
 
+def fsdp2_on_cpu(base: type) -> type:
+    """``base`` (``QATTrainer``, ``QADTrainer``) with FSDP2 put back after accelerate built its accelerator:
+    on CPU accelerate silently makes FSDP into DDP (the library warns), so the 2-process benchmarks and tests
+    that measure FSDP2 with gloo install it themselves (auto-wrap of ``LlamaDecoderLayer``, sharded
+    checkpoints). Benchmark and test code only; the library patches nothing."""
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    def create_accelerator_and_postprocess(self: Any) -> None:
+        base.create_accelerator_and_postprocess(self)
+        self.accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(
+            fsdp_version=2,
+            auto_wrap_policy="transformer_based_wrap",
+            transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+            state_dict_type="SHARDED_STATE_DICT",
+        )
+        self.accelerator.state.distributed_type = DistributedType.FSDP
+        self.is_fsdp_enabled = True
+
+    methods = {"create_accelerator_and_postprocess": create_accelerator_and_postprocess}
+    return type(f"{base.__name__}FSDP2OnCPU", (base,), methods)
+
+
 def random_batches(count: int, shape: tuple[int, ...], vocab: int, seed: int = 1234) -> list[Any]:
     """``count`` tensors of random token ids in ``[0, vocab)``, drawn in turn from one generator."""
     import torch

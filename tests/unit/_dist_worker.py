@@ -15,6 +15,7 @@ from torch.distributed.fsdp import fully_shard
 from modelopt_lite.training.qat_trainer import learnable_amax_parameters
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(1, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import modelopt_lite.quantization as mtq
 from modelopt_lite.distributed import weight_access
@@ -159,34 +160,21 @@ def qat_ddp(kind: str, out: Path, rank: int) -> None:
 
 
 def qat_fsdp2(kind: str, out: Path, rank: int) -> None:
-    """QATTrainer on FSDP2 through accelerate. accelerate turns FSDP into DDP on CPU; this test-only shim
-    puts FSDP2 back after the accelerator is built (``kind``: ``STEPS``, ``STEPS:resume``, ``STEPS:qad``,
-    ``STEPS:save``, ``STEPS:la`` or, with learnable amax checkpointed at step 3, ``STEPS:la_save`` /
-    ``STEPS:la_resume``, on DDP with ``:ddp`` after them)."""
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+    """QATTrainer on FSDP2 through accelerate. accelerate turns FSDP into DDP on CPU; the shim
+    ``benchmarks/_harness.fsdp2_on_cpu`` puts FSDP2 back after the accelerator is built (``kind``:
+    ``STEPS``, ``STEPS:resume``, ``STEPS:qad``, ``STEPS:save``, ``STEPS:la`` or, with learnable amax
+    checkpointed at step 3, ``STEPS:la_save`` / ``STEPS:la_resume``, on DDP with ``:ddp`` after them)."""
+    from _harness import fsdp2_on_cpu  # (benchmarks/: the FSDP2-on-CPU shim the benchmarks use too)
     from transformers import TrainerCallback
 
     from modelopt_lite.training import QADTrainer, QATTrainer, QuantizationArguments
     from tests.unit._training import CountingData, cpu_args, step_losses
 
-    class FSDP2OnCPU(QATTrainer):
-        def create_accelerator_and_postprocess(self):
-            super().create_accelerator_and_postprocess()
-            self.accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(
-                fsdp_version=2,
-                auto_wrap_policy="transformer_based_wrap",
-                transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
-                state_dict_type="SHARDED_STATE_DICT",
-            )
-            self.accelerator.state.distributed_type = DistributedType.FSDP
-            self.is_fsdp_enabled = True
-
     class StopAt(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             control.should_training_stop = state.global_step >= stop
 
-    class QADFSDP2OnCPU(QADTrainer, FSDP2OnCPU):
-        pass
+    FSDP2OnCPU, QADFSDP2OnCPU = fsdp2_on_cpu(QATTrainer), fsdp2_on_cpu(QADTrainer)
 
     stop, _, mode = kind.partition(":")
     stop = int(stop)

@@ -459,8 +459,8 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> int:
     h.write_text(args.md, markdown(result))
     if args.png:
         plot(result, args.png)
-    if args.report:  # the merged runs
-        h.write_json(args.json, result, default=str)
+    if args.report:  # the merged runs; a path of this machine in a run written by an older version: portable
+        h.write_text(args.json, h.portable_text(json.dumps(result, indent=1, default=str)))
     for path in (args.md, args.png, args.json):
         if path:
             print(f"wrote {path}")

@@ -116,6 +116,26 @@ def test_report_merges_runs_on_the_same_windows() -> None:
         real_ptq.merge([a, _run([], [], ppl=29.0)])
 
 
+def test_report_writes_no_path_of_the_machine(tmp_path: Path) -> None:
+    """``--report A B --json OUT``: a run written by an older version that kept a peer's log as an absolute
+    path comes out with it written as ``<outside>/NAME``, as every recorded path."""
+    more = {"machine": "2 CPU cores", "date": "d", "torch": "t", "transformers": "t"}
+    a, b = _run([{"name": "fp8", "ppl": 31.0}], []), _run([{"name": "int8_sq", "ppl": 32.0}], [])
+    for run in (a, b):
+        run["meta"].update(more)
+    a["peers"]["modelopt"] = {"rows": [], "log": "/work/elsewhere/run/modelopt.log"}
+    (tmp_path / "a.json").write_text(json.dumps(a))
+    (tmp_path / "b.json").write_text(json.dumps(b))
+    out = tmp_path / "merged.json"
+    assert (
+        real_ptq.main(["--report", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--json", str(out)])
+        == 0
+    )
+    merged = json.loads(out.read_text())
+    assert merged["peers"]["modelopt"]["log"] == "<outside>/modelopt.log"
+    assert [r["name"] for r in merged["ours"]] == ["fp8", "int8_sq"]
+
+
 def test_kv_cache_probe_finds_the_layer_whose_key_bias_fp8_rounds_away(tmp_path: Path) -> None:
     """``benchmarks/kv_cache_probe.py`` on a tiny Llama with q/k/v biases and one large k_proj bias in layer
     0 (as Qwen2.5's): that layer's K amax is the bias; leaving its K unquantized, or the affine KV preset,

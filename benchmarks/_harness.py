@@ -193,19 +193,20 @@ def fsdp2_on_cpu(base: type) -> type:
     checkpoints). Benchmark and test code only; the library patches nothing."""
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
-    def create_accelerator_and_postprocess(self: Any) -> None:
-        base.create_accelerator_and_postprocess(self)
-        self.accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(
-            fsdp_version=2,
-            auto_wrap_policy="transformer_based_wrap",
-            transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
-            state_dict_type="SHARDED_STATE_DICT",
-        )
-        self.accelerator.state.distributed_type = DistributedType.FSDP
-        self.is_fsdp_enabled = True
+    class FSDP2OnCPU(base):
+        def create_accelerator_and_postprocess(self) -> None:
+            super().create_accelerator_and_postprocess()
+            self.accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(
+                fsdp_version=2,
+                auto_wrap_policy="transformer_based_wrap",
+                transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+                state_dict_type="SHARDED_STATE_DICT",
+            )
+            self.accelerator.state.distributed_type = DistributedType.FSDP
+            self.is_fsdp_enabled = True
 
-    methods = {"create_accelerator_and_postprocess": create_accelerator_and_postprocess}
-    return type(f"{base.__name__}FSDP2OnCPU", (base,), methods)
+    FSDP2OnCPU.__name__ = FSDP2OnCPU.__qualname__ = f"{base.__name__}FSDP2OnCPU"
+    return FSDP2OnCPU
 
 
 def random_batches(count: int, shape: tuple[int, ...], vocab: int, seed: int = 1234) -> list[Any]:

@@ -160,7 +160,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from modelopt_lite.cli.ptq import build_config
     from modelopt_lite.export.layers import unify_shared_scales
 
-    algorithm = build_config(args.qformat, "none")["algorithm"]
+    cfg = build_config(args.qformat, "none")
+    algorithm = cfg["algorithm"]
     method = algorithm if isinstance(algorithm, str) else algorithm["method"]
     if method == "smoothquant":
         if args.per_layer or args.group_loss or args.group_scale != "joint":
@@ -187,7 +188,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     clock = time.perf_counter()
     try:
         with torch.no_grad():
-            cfg = build_config(args.qformat, "none")
             cfg["algorithm"] = {
                 "method": method,
                 **({} if isinstance(algorithm, str) else algorithm),

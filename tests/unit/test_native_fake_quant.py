@@ -278,3 +278,53 @@ def test_a_quantized_linear_in_training_takes_the_native_kernels(native_on):
     assert ref_calls == 0
     assert torch.equal(out, ref_out)
     assert torch.equal(grad, ref_grad)
+
+
+@needs_compiler
+@pytest.mark.parametrize(
+    ("name", "shape"),
+    [
+        ("nvfp4", (2048, 1152)),  # 147K blocks: split between threads
+        ("fp8 per-tensor", (2048, 2304)),  # 4.7M elements: split between threads
+        ("fp8 per-token dynamic", (3, 1000)),  # rows longer than the kernels' float32 chunk
+        ("int8 per-tensor", (1, 70001)),
+        ("int4 block-32", (5, 600)),
+        ("mxfp8", (1024, 2304)),
+    ],
+)
+def test_bfloat16_is_read_and_written_in_one_pass_bit_for_bit(native_on, name, shape):
+    """A bfloat16 input goes through the kernel as bfloat16: the float32 scratch ``out`` a caller may give
+    stays untouched (the old path copied the input into it), and the result is the reference's bit for bit,
+    on tensors large enough to be split between threads and rows longer than a chunk."""
+    spec = resolve_format(**FORMATS[name])
+    x = (torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 3).to(torch.bfloat16)
+    x.view(-1)[:8] = torch.tensor(SPECIAL).to(torch.bfloat16)
+    amax = _amax(x, spec, name)
+    scratch = torch.full(shape, 7.0)
+    res, calls = _quantize(x, spec, amax, scratch)
+    assert calls == 1
+    assert native_mod._state["nan16"] is not None  # the kernels' cast equals PyTorch's on this machine
+    assert torch.equal(scratch, torch.full(shape, 7.0))
+    assert res.dtype == torch.bfloat16
+    assert torch.equal(_bits(res), _bits(fake_quant_reference(x, spec, amax)))
+
+
+@needs_compiler
+def test_a_cast_unlike_pytorchs_keeps_bfloat16_on_the_float32_copy(native_on, monkeypatch):
+    lib = native_mod._library()
+    assert native_mod._bf16_cast_check(lib) == int(torch.tensor([float("nan")] * 4).bfloat16().view(
+        torch.int16)[0]) & 0xFFFF  # fmt: skip
+
+    class Skewed:  # a cast whose NaN is not the one PyTorch gives
+        def mol_bf16_narrow(self, src, dst, n, nan16):
+            lib.mol_bf16_narrow(src, dst, n, nan16 ^ 1)
+
+    assert native_mod._bf16_cast_check(Skewed()) is None
+    monkeypatch.setitem(native_mod._state, "nan16", None)
+    spec = resolve_format(**NVFP4)
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    scratch = torch.zeros(4, 64)
+    res, calls = _quantize(x, spec, None, scratch)
+    assert calls == 1
+    assert torch.equal(scratch.to(torch.bfloat16), res)  # computed in the float32 copy, then cast
+    assert torch.equal(_bits(res), _bits(fake_quant_reference(x, spec, None)))

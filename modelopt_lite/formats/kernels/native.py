@@ -9,7 +9,8 @@ keep NaN as ``torch.clamp`` does. The kernels split the rows between OpenMP thre
 PyTorch already loaded, as many threads as ``torch.get_num_threads()``) when a tensor has at least 64K
 elements.
 
-Covered (float32, bfloat16 or float16 input, contiguous, on the CPU, no autograd through the formula):
+Covered (float32, bfloat16 or float16 input, contiguous, on the CPU, no autograd through the formula; a
+bfloat16 tensor is read and written as bfloat16 in the same pass, a float16 one through a float32 copy):
 
 - INT-k and FP8 (E4M3, E5M2) with one amax for the tensor, one per row of the first axis (per channel,
   ``axis=0``) or per index of the leading dimensions (one per expert, ``(E, 1, 1)``), a calibrated amax per
@@ -76,17 +77,21 @@ _BASE_FLAGS = ["-O3", "-std=c11", "-ffp-contract=off", "-fno-fast-math", "-fPIC"
 _FLAG_SETS = (["-march=native", "-fopenmp"], ["-fopenmp"], ["-march=native"], [])
 #: input dtypes the CPU kernel paths take (computed in float32, cast back)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: the float32 chunk (elements) a bfloat16 kernel computes in (native_kernels.c's CHUNK): an NVFP4 or MX
+#: block must fit in one
+_CHUNK = 256
 
 _lock = threading.Lock()
-_state: dict = {"enabled": None, "lib": None, "broken": False, "calls": 0, "path": None}
+_state: dict = {"enabled": None, "lib": None, "broken": False, "calls": 0, "path": None, "nan16": None}
 _logged_reasons: set[str] = set()
 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-_SIGNATURES = {
-    "mol_fp8": [_P, _P, _I64, _I64, _I64, _P, _I32, _I32, _I32, _F32, _I32],
-    "mol_int": [_P, _P, _I64, _I64, _I64, _P, _I32, _F32, _F32, _I32],
-    "mol_nvfp4": [_P, _P, _I64, _I64, _P, _I64, _I32],
-    "mol_mx": [_P, _P, _I64, _I64, _I64, _I32, _I32, _F32, _I32, _I32],
+_SIGNATURES = {  # (the last argument of the kernels: -1 for float32 input and output, else bfloat16's NaN)
+    "mol_fp8": [_P, _P, _I64, _I64, _I64, _P, _I32, _I32, _I32, _F32, _I32, _I32],
+    "mol_int": [_P, _P, _I64, _I64, _I64, _P, _I32, _F32, _F32, _I32, _I32],
+    "mol_nvfp4": [_P, _P, _I64, _I64, _P, _I64, _I32, _I32],
+    "mol_mx": [_P, _P, _I64, _I64, _I64, _I32, _I32, _F32, _I32, _I32, _I32],
+    "mol_bf16_narrow": [_P, _P, _I64, _I32],
 }
 
 
@@ -192,8 +197,36 @@ def _load() -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
     _state["path"] = target
-    logger.debug("native fake quant: loaded %s (OpenMP: %s)", target, bool(lib.mol_openmp()))
+    _state["nan16"] = _bf16_cast_check(lib)
+    logger.debug(
+        "native fake quant: loaded %s (OpenMP: %s; bfloat16 in and out: %s)",
+        target,
+        bool(lib.mol_openmp()),
+        _state["nan16"] is not None,
+    )
     return lib
+
+
+def _bf16_cast_check(lib: ctypes.CDLL) -> int | None:
+    """The bits PyTorch's float32 -> bfloat16 cast gives a NaN on this machine when the kernels' own cast
+    (round to nearest even) equals PyTorch's on every probe value (NaNs of both signs and several payloads,
+    infinities, subnormals, ties, the largest floats, random values); else ``None``, and bfloat16 tensors
+    go through a float32 copy and PyTorch's cast, as float16 ones do."""
+    special = [0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF812345, 0x7FFFFFFF, 0x7F800000, 0xFF800000,
+               0x7F7FFFFF, 0xFF7FFFFF, 0x00000001, 0x807FFFFF, 0x00008000, 0x00018000, 0x3F808000,
+               0x3F818000, 0x3F80FFFF, 0x7F7F8000, 0x00000000, 0x80000000]  # fmt: skip
+    bits = torch.tensor(special, dtype=torch.int64).to(torch.int32)
+    g = torch.Generator().manual_seed(0)
+    noise = torch.randint(-(2**31), 2**31 - 1, (4096,), generator=g, dtype=torch.int64).to(torch.int32)
+    probe = torch.cat([bits, noise, torch.randn(4096, generator=g).view(torch.int32)]).view(torch.float32)
+    expected = probe.to(torch.bfloat16).view(torch.int16)
+    nan16 = int(expected[0]) & 0xFFFF
+    got = torch.empty_like(expected)
+    lib.mol_bf16_narrow(probe.data_ptr(), got.data_ptr(), probe.numel(), nan16)
+    if not torch.equal(got, expected):
+        logger.debug("native fake quant: PyTorch's bfloat16 cast differs from the kernels' on this machine")
+        return None
+    return nan16
 
 
 def _library() -> ctypes.CDLL | None:
@@ -343,17 +376,24 @@ def try_native_fake_quant(
         amax = x.detach().abs().amax()  # the reference's dynamic global amax
     if amax is not None:
         amax = amax.detach().to(dtype=torch.float32).contiguous()
-    if out is None or out.shape != x.shape or out.dtype != torch.float32 or not out.is_contiguous():
-        out = torch.empty(x.shape, dtype=torch.float32)
-    src = x.detach() if x.dtype == torch.float32 else out.copy_(x.detach())
+    nan16 = _state["nan16"] if x.dtype == torch.bfloat16 and x.ndim else None
+    if nan16 is not None and (spec.kind in ("nvfp4", "mx") and block > _CHUNK):
+        nan16 = None
+    if nan16 is not None:  # read and written as bfloat16 in one pass (``out`` is not needed)
+        src, out = x.detach(), torch.empty(x.shape, dtype=torch.bfloat16)
+    else:
+        nan16 = -1
+        if out is None or out.shape != x.shape or out.dtype != torch.float32 or not out.is_contiguous():
+            out = torch.empty(x.shape, dtype=torch.float32)
+        src = x.detach() if x.dtype == torch.float32 else out.copy_(x.detach())
     threads = torch.get_num_threads()
     amax_ptr = None if amax is None else amax.data_ptr()
     if spec.kind == "nvfp4":
-        lib.mol_nvfp4(src.data_ptr(), out.data_ptr(), rows, cols, amax_ptr, mode, threads)
+        lib.mol_nvfp4(src.data_ptr(), out.data_ptr(), rows, cols, amax_ptr, mode, threads, nan16)
     elif spec.kind == "mx":
         element = _element(spec.num_bits)
         if element is None:  # MXINT8
-            lib.mol_mx(src.data_ptr(), out.data_ptr(), rows, cols, block, 0, -1, 0.0, 0, threads)
+            lib.mol_mx(src.data_ptr(), out.data_ptr(), rows, cols, block, 0, -1, 0.0, 0, threads, nan16)
         else:
             lib.mol_mx(
                 src.data_ptr(),
@@ -366,6 +406,7 @@ def try_native_fake_quant(
                 element.max_value,
                 element.emax,
                 threads,
+                nan16,
             )
     elif spec.kind == "fp8":
         fmt, _ = fp8_spec(spec.num_bits)
@@ -381,9 +422,10 @@ def try_native_fake_quant(
             fmt.man_bits,
             fmt.max_value,
             threads,
+            nan16,
         )
     else:
         lo, hi = int_bounds(spec.num_bits, spec.unsigned, spec.narrow_range)
-        lib.mol_int(src.data_ptr(), out.data_ptr(), rows, cols, block, amax_ptr, mode, lo, hi, threads)
+        lib.mol_int(src.data_ptr(), out.data_ptr(), rows, cols, block, amax_ptr, mode, lo, hi, threads, nan16)
     _state["calls"] += 1
-    return out if x.dtype == torch.float32 else out.to(x.dtype)
+    return out if out.dtype == x.dtype else out.to(x.dtype)

@@ -5,9 +5,15 @@
  * IEEE arithmetic as written: native.py compiles with -ffp-contract=off (no fused multiply-add) and never
  * with -ffast-math. The clamps are written as compares so that NaN passes through, as in torch.clamp.
  *
- * Layout: contiguous float32 input and output of `rows` x `cols`; a scale is one value for all rows
- * (`per_row` = 0) or one per row (`per_row` = 1). Rows are split between OpenMP threads when the library
- * was built with OpenMP and the tensor is large enough.
+ * Layout: contiguous input and output of `rows` x `cols`, float32 or (`nan16` >= 0) bfloat16; a scale is
+ * one value for all rows (`per_row` = 0) or one per row (`per_row` = 1). Rows are split between OpenMP
+ * threads when the library was built with OpenMP and the tensor is large enough.
+ *
+ * bfloat16 input and output: each element is widened to float32 (exact), goes through the same float32
+ * operations, and is rounded back to nearest even as PyTorch's CPU cast rounds; a NaN becomes `nan16`, the
+ * bits PyTorch's cast gives a NaN on this machine (native.py checks the cast against PyTorch's before it
+ * uses it). The values pass through float32 chunks of CHUNK elements on the stack: one pass over memory, no
+ * float32 copy of the tensor.
  */
 #include <stdint.h>
 #include <string.h>
@@ -34,6 +40,28 @@ static inline float float_of(uint32_t u) {
     memcpy(&v, &u, sizeof v);
     return v;
 }
+
+/* bfloat16 <-> float32: widening is exact; narrowing rounds to nearest even (c10's round_to_nearest_even,
+ * which PyTorch's vectorized CPU cast computes too), a NaN gives `nan16` */
+#define CHUNK 256
+static inline float bf16_load(uint16_t h) { return float_of((uint32_t)h << 16); }
+
+static inline uint16_t bf16_store(float v, uint16_t nan16) {
+    const uint32_t u = bits_of(v);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return nan16;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline void bf16_widen(const uint16_t *h, float *f, int64_t n) {
+    for (int64_t c = 0; c < n; c++) f[c] = bf16_load(h[c]);
+}
+
+static inline void bf16_narrow(const float *f, uint16_t *h, int64_t n, uint16_t nan16) {
+    for (int64_t c = 0; c < n; c++) h[c] = bf16_store(f[c], nan16);
+}
+
+/* the cast alone, for native.py's check against PyTorch's */
+void mol_bf16_narrow(const float *f, uint16_t *h, int64_t n, int nan16) { bf16_narrow(f, h, n, (uint16_t)nan16); }
 
 /* split the rows (blocks) between threads only when there is enough work to pay for waking them */
 static inline int parallel(int64_t units, int64_t per_unit, int64_t min_elements) {
@@ -64,7 +92,7 @@ static inline float minifloat_round(float a, uint32_t min_exp_field, uint32_t ma
     return round_to_step(a, exp_field - man_shift);
 }
 
-int mol_version(void) { return 1; }
+int mol_version(void) { return 2; }
 
 int mol_openmp(void) {
 #ifdef _OPENMP
@@ -91,9 +119,18 @@ static inline float abs_max(const float *x, int64_t n) {
     return float_of(m);
 }
 
-static inline float amax_at(const float *amax, int mode, int64_t r, int64_t b, int64_t blocks_per_row,
-                            const float *xs, int64_t n) {
-    if (mode == AMAX_DYNAMIC) return abs_max(xs, n);
+/* the same for bfloat16: its bits are the top half of the float32's */
+static inline float abs_max_bf16(const uint16_t *x, int64_t n) {
+    uint32_t m = 0;
+    for (int64_t c = 0; c < n; c++) {
+        uint32_t u = x[c] & 0x7FFFu;
+        m = u > m ? u : m;
+    }
+    return float_of(m << 16);
+}
+
+/* a stored amax (not AMAX_DYNAMIC) */
+static inline float amax_at(const float *amax, int mode, int64_t r, int64_t b, int64_t blocks_per_row) {
     return amax[mode == AMAX_TENSOR ? 0 : mode == AMAX_ROW ? r : r * blocks_per_row + b];
 }
 
@@ -134,33 +171,53 @@ static inline void int_segment(const float *xs, float *ys, int64_t n, float a, c
     }
 }
 
-/* rows x cols, each row in blocks of `block` (the last one possibly shorter), each block with its amax */
-static void quantize_rows(const float *x, float *out, int64_t rows, int64_t cols, int64_t block,
-                          const float *amax, int mode, const element_params *p, int threads) {
+static inline void segment(const float *xs, float *ys, int64_t n, float a, const element_params *p) {
+    if (p->kind == KIND_FP8)
+        fp8_segment(xs, ys, n, a, p);
+    else
+        int_segment(xs, ys, n, a, p);
+}
+
+/* rows x cols, each row in blocks of `block` (the last one possibly shorter), each block with its amax;
+ * bfloat16 (nan16 >= 0): a block's amax from its bits, then its elements in float32 chunks (the formula
+ * is element-wise once the amax is known) */
+static void quantize_rows(const void *x, void *out, int64_t rows, int64_t cols, int64_t block,
+                          const float *amax, int mode, const element_params *p, int threads, int nan16) {
     const int64_t nb = (cols + block - 1) / block;
 #pragma omp parallel for schedule(static) num_threads(threads) if (parallel(rows, cols, PARALLEL_MIN_ELEMENTS))
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t b = 0; b < nb; b++) {
             const int64_t start = r * cols + b * block, n = b + 1 < nb ? block : cols - b * block;
-            const float a = amax_at(amax, mode, r, b, nb, x + start, n);
-            if (p->kind == KIND_FP8)
-                fp8_segment(x + start, out + start, n, a, p);
-            else
-                int_segment(x + start, out + start, n, a, p);
+            if (nan16 < 0) {
+                const float *xs = (const float *)x + start;
+                const float a = mode == AMAX_DYNAMIC ? abs_max(xs, n) : amax_at(amax, mode, r, b, nb);
+                segment(xs, (float *)out + start, n, a, p);
+                continue;
+            }
+            const uint16_t *xs = (const uint16_t *)x + start;
+            uint16_t *ys = (uint16_t *)out + start;
+            const float a = mode == AMAX_DYNAMIC ? abs_max_bf16(xs, n) : amax_at(amax, mode, r, b, nb);
+            float chunk[CHUNK];
+            for (int64_t c = 0; c < n; c += CHUNK) {
+                const int64_t m = n - c < CHUNK ? n - c : CHUNK;
+                bf16_widen(xs + c, chunk, m);
+                segment(chunk, chunk, m, a, p);
+                bf16_narrow(chunk, ys + c, m, (uint16_t)nan16);
+            }
         }
     }
 }
 
-void mol_fp8(const float *x, float *out, int64_t rows, int64_t cols, int64_t block, const float *amax,
-             int mode, int min_exp, int man_bits, float max_value, int threads) {
+void mol_fp8(const void *x, void *out, int64_t rows, int64_t cols, int64_t block, const float *amax,
+             int mode, int min_exp, int man_bits, float max_value, int threads, int nan16) {
     const element_params p = {KIND_FP8, (uint32_t)(min_exp + 127) << 23, (uint32_t)man_bits << 23, max_value, 0};
-    quantize_rows(x, out, rows, cols, block, amax, mode, &p, threads);
+    quantize_rows(x, out, rows, cols, block, amax, mode, &p, threads, nan16);
 }
 
-void mol_int(const float *x, float *out, int64_t rows, int64_t cols, int64_t block, const float *amax,
-             int mode, float lo, float hi, int threads) {
+void mol_int(const void *x, void *out, int64_t rows, int64_t cols, int64_t block, const float *amax,
+             int mode, float lo, float hi, int threads, int nan16) {
     const element_params p = {KIND_INT, 0, 0, hi, lo};
-    quantize_rows(x, out, rows, cols, block, amax, mode, &p, threads);
+    quantize_rows(x, out, rows, cols, block, amax, mode, &p, threads, nan16);
 }
 
 /* one NVFP4 block: its amax, FP8 scale (nvfp4.nvfp4_block_scales) times s2 = step, then
@@ -185,9 +242,9 @@ static inline void nvfp4_block(const float *xb, float *yb, int64_t block, float 
  * `group_blocks` sharing one global amax (one group: the tensor's; several: one per expert of a batch).
  * s2 = global_amax / 2688; per block the amax from |x|'s bit patterns, its FP8 scale
  * (nvfp4.nvfp4_block_scales) times s2 = step; out = e2m1_round(|x| / step) with x's sign, times step.
- * A group whose global amax is at or below 2**-24 is all zero. */
-void mol_nvfp4(const float *x, float *out, int64_t blocks, int64_t block, const float *global_amax,
-               int64_t group_blocks, int threads) {
+ * A group whose global amax is at or below 2**-24 is all zero. bfloat16 (nan16 >= 0): block <= CHUNK. */
+void mol_nvfp4(const void *x, void *out, int64_t blocks, int64_t block, const float *global_amax,
+               int64_t group_blocks, int threads, int nan16) {
     const int64_t groups = blocks / group_blocks;
     /* every thread walks the groups (one global scale each, computed once) and shares each group's blocks */
 #pragma omp parallel num_threads(threads) if (parallel(blocks, block, PARALLEL_MIN_BLOCK_ELEMENTS))
@@ -197,12 +254,51 @@ void mol_nvfp4(const float *x, float *out, int64_t blocks, int64_t block, const 
         const int64_t first = grp * group_blocks * block, n = group_blocks * block;
         if (g <= 0x1p-24f) { /* all zero */
 #pragma omp for schedule(static)
-            for (int64_t i = first; i < first + n; i++) out[i] = 0.0f;
+            for (int64_t i = first; i < first + n; i++) {
+                if (nan16 < 0)
+                    ((float *)out)[i] = 0.0f;
+                else
+                    ((uint16_t *)out)[i] = 0;
+            }
             continue;
         }
 #pragma omp for schedule(static)
         for (int64_t b = grp * group_blocks; b < (grp + 1) * group_blocks; b++) {
-            nvfp4_block(x + b * block, out + b * block, block, s2, denom);
+            if (nan16 < 0) {
+                nvfp4_block((const float *)x + b * block, (float *)out + b * block, block, s2, denom);
+                continue;
+            }
+            float chunk[CHUNK];
+            bf16_widen((const uint16_t *)x + b * block, chunk, block);
+            nvfp4_block(chunk, chunk, block, s2, denom);
+            bf16_narrow(chunk, (uint16_t *)out + b * block, block, (uint16_t)nan16);
+        }
+    }
+}
+
+/* one MX block of n elements (x and y may be the same) */
+static inline void mx_block(const float *xs, float *ys, int64_t n, int man_bits, uint32_t min_field,
+                            uint32_t man_shift, float max_value, int emax) {
+    const float a = abs_max(xs, n);
+    const uint32_t ab = bits_of(a);
+    int e;
+    if (!(a > 0.0f)) e = -127;                             /* zero or NaN */
+    else if (ab >= 0x7F800000u) e = -1 - emax;             /* inf: frexp's exponent 0 */
+    else if (ab >= 0x00800000u) e = (int)(ab >> 23) - 127 - emax;
+    else e = -127;                                         /* subnormal: below -126 - emax */
+    e = e < -127 ? -127 : (e > 127 ? 127 : e);
+    const float scale = e >= -126 ? float_of((uint32_t)(e + 127) << 23) : 0x1p-127f;
+    if (man_bits < 0) {
+        for (int64_t c = 0; c < n; c++) {
+            float v = clamp_keep_nan((xs[c] / scale) * 64.0f, -127.0f, 127.0f);
+            ys[c] = (round_int(v) / 64.0f) * scale;
+        }
+    } else {
+        for (int64_t c = 0; c < n; c++) {
+            const uint32_t v = bits_of(xs[c] / scale);
+            float m = float_of(v & 0x7FFFFFFFu);
+            m = minifloat_round(m > max_value ? max_value : m, min_field, man_shift);
+            ys[c] = float_of(bits_of(m) | (v & 0x80000000u)) * scale;
         }
     }
 }
@@ -210,39 +306,25 @@ void mol_nvfp4(const float *x, float *out, int64_t blocks, int64_t block, const 
 /* mx.mx_fake_quant, blocks of `block` along each row (the last one possibly shorter): the E8M0 exponent
  * floor(log2(block amax)) - emax (torch.frexp's: an inf amax counts as 2**-1, a NaN or zero amax gives
  * -127), clamped to [-127, 127]; elements x / 2**exp rounded in the element format (min_exp, man_bits,
- * saturating at max_value; man_bits < 0: MXINT8, round(x * 64) clamped to +-127, / 64), times 2**exp. */
-void mol_mx(const float *x, float *out, int64_t rows, int64_t cols, int64_t block, int min_exp, int man_bits,
-            float max_value, int emax, int threads) {
+ * saturating at max_value; man_bits < 0: MXINT8, round(x * 64) clamped to +-127, / 64), times 2**exp.
+ * bfloat16 (nan16 >= 0): block <= CHUNK. */
+void mol_mx(const void *x, void *out, int64_t rows, int64_t cols, int64_t block, int min_exp, int man_bits,
+            float max_value, int emax, int threads, int nan16) {
     const int64_t nb = (cols + block - 1) / block;
     const uint32_t min_field = (uint32_t)(min_exp + 127) << 23, man_shift = (uint32_t)(man_bits < 0 ? 0 : man_bits) << 23;
 #pragma omp parallel for schedule(static) num_threads(threads) if (parallel(rows, cols, PARALLEL_MIN_BLOCK_ELEMENTS))
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t b = 0; b < nb; b++) {
             const int64_t start = r * cols + b * block, n = b + 1 < nb ? block : cols - b * block;
-            const float *xs = x + start;
-            float *ys = out + start;
-            const float a = abs_max(xs, n);
-            const uint32_t ab = bits_of(a);
-            int e;
-            if (!(a > 0.0f)) e = -127;                             /* zero or NaN */
-            else if (ab >= 0x7F800000u) e = -1 - emax;             /* inf: frexp's exponent 0 */
-            else if (ab >= 0x00800000u) e = (int)(ab >> 23) - 127 - emax;
-            else e = -127;                                         /* subnormal: below -126 - emax */
-            e = e < -127 ? -127 : (e > 127 ? 127 : e);
-            const float scale = e >= -126 ? float_of((uint32_t)(e + 127) << 23) : 0x1p-127f;
-            if (man_bits < 0) {
-                for (int64_t c = 0; c < n; c++) {
-                    float v = clamp_keep_nan((xs[c] / scale) * 64.0f, -127.0f, 127.0f);
-                    ys[c] = (round_int(v) / 64.0f) * scale;
-                }
-            } else {
-                for (int64_t c = 0; c < n; c++) {
-                    const uint32_t v = bits_of(xs[c] / scale);
-                    float m = float_of(v & 0x7FFFFFFFu);
-                    m = minifloat_round(m > max_value ? max_value : m, min_field, man_shift);
-                    ys[c] = float_of(bits_of(m) | (v & 0x80000000u)) * scale;
-                }
+            if (nan16 < 0) {
+                mx_block((const float *)x + start, (float *)out + start, n, man_bits, min_field, man_shift,
+                         max_value, emax);
+                continue;
             }
+            float chunk[CHUNK];
+            bf16_widen((const uint16_t *)x + start, chunk, n);
+            mx_block(chunk, chunk, n, man_bits, min_field, man_shift, max_value, emax);
+            bf16_narrow(chunk, (uint16_t *)out + start, n, (uint16_t)nan16);
         }
     }
 }

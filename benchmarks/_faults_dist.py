@@ -1,24 +1,29 @@
 """``benchmarks/faults.py --modes ddp,fsdp2``: a 2-process QAT run (``torchrun --standalone
 --nproc_per_node 2``, gloo, one thread per rank) where rank 1 SIGKILLs itself at a random moment of the
-training phase, or (``--phases checkpoint``) while a checkpoint is written.
+training phase, or (``--phases calibration`` / ``checkpoint`` / ``export``) during calibration, while a
+checkpoint is written or during the export.
 
 Workload: the tiny Llama of the single-process modes, INT4 block-wise weights with learnable amax
 (``QATTrainer``), 6 steps of 2 x 16 tokens per rank, a checkpoint every 2 steps. ``ddp``: what accelerate
 builds under torchrun on CPU (DDP). ``fsdp2``: the same trainer with FSDP2 put back after the accelerator is
 built (accelerate turns FSDP into DDP on CPU: ``_harness.fsdp2_on_cpu``, the shim the tests use too),
 sharded checkpoints. At the end each job writes the final weights and amax, gathered whole on rank 0
-(``full_tensor`` of every DTensor under FSDP2), to ``final.safetensors``.
+(``full_tensor`` of every DTensor under FSDP2), to ``final.safetensors``, then exports the model with
+``export_hf_checkpoint`` as ``examples/llm_qat/main.py`` does (FSDP2: every rank, one module gathered at a
+time, rank 0 writes; DDP: rank 0 alone, rank 1 waits at the barrier after it).
 
 Per setting, an uninterrupted job gives the reference and the length of its training phase (rank 1's
-``on_train_begin`` to the end of its last step, checkpoint writing included) and of each checkpoint's
-writing (from the step's end to ``on_save``). Each trial: rank 1 arms a timer on ``on_train_begin`` (or,
-aimed at a checkpoint, at the end of the step that saves it) that writes ``time.time()`` to ``died`` and
-then sends itself SIGKILL, after a delay drawn uniformly from that length (or that checkpoint's); the
+``on_train_begin`` to the end of its last step, checkpoint writing included), of each checkpoint's writing
+(from the step's end to ``on_save``), of its calibration (from calling ``train`` to ``on_train_begin``: the
+quantizers inserted and calibrated, amax merged across ranks) and of its export (to the barrier after it).
+Each trial: rank 1 arms a timer on entering the phase aimed at (``on_train_begin``; the end of the step that
+saves the checkpoint; calling ``train``; the export) that writes ``time.time()`` to ``died`` and then sends
+itself SIGKILL, after a delay drawn uniformly from that phase's length (or that checkpoint's); the
 launcher measures the time from that moment until the whole torchrun
 job has exited, and keeps the survivor's error (``error_0.json``, written by rank 0 as its exception leaves
 ``train``: none when the launcher's SIGTERM came first). The whole job is then launched again, with
 ``resume_from_checkpoint=True`` when a complete checkpoint exists (else from the start, as a user would),
-and its final tensors compared with the reference bit for bit.
+and its final tensors and export files compared with the reference's bit for bit (SHA-256).
 """
 
 from __future__ import annotations
@@ -37,21 +42,24 @@ from pathlib import Path
 from typing import Any
 
 import _harness as h
+from _faults_files import digest, leftovers
 
 STEPS, SAVE_EVERY, BATCH = 6, 2, 2
 SETTINGS = ("ddp", "fsdp2")
-PHASES = ("training", "checkpoint")
+PHASES = ("calibration", "training", "checkpoint", "export")
 
 
 def worker(out: Path, setting: str, resume: bool, kill: str | None) -> None:
-    """One rank of the job (under torchrun); ``kill``: ``training:DELAY`` or ``checkpoint:DELAY:STEP``
-    (rank 1 dies that long after training began, or after the step that saves ``checkpoint-STEP`` ended)."""
+    """One rank of the job (under torchrun); ``kill``: ``PHASE:DELAY``, or ``checkpoint:DELAY:STEP`` (rank 1
+    dies that long after entering the phase, or after the step that saves ``checkpoint-STEP`` ended)."""
     import torch
     import torch.distributed as dist
     from safetensors.torch import save_file
     from transformers import TrainerCallback
 
     from modelopt_lite import QATTrainer, QuantizationArguments
+    from modelopt_lite.distributed import is_sharded, naming_lost_rank
+    from modelopt_lite.export import export_hf_checkpoint
     from modelopt_lite.training.checkpoints import checkpoint_problem
 
     rank = int(os.environ["RANK"])
@@ -99,6 +107,7 @@ def worker(out: Path, setting: str, resume: bool, kill: str | None) -> None:
     complete = resume and any(checkpoint_problem(p) is None for p in run.glob("checkpoint-*"))
     try:
         mark("calibration" if not complete else "restore")
+        arm("calibration")  # (a resumed job marks "restore": no timer)
         trainer.train(resume_from_checkpoint=True if complete else None)
         state = {}
         for name, p in trainer.accelerator.unwrap_model(trainer.model).state_dict().items():
@@ -107,7 +116,14 @@ def worker(out: Path, setting: str, resume: bool, kill: str | None) -> None:
         if rank == 0:
             save_file(state, str(out / "final.tmp"))
             os.replace(out / "final.tmp", out / "final.safetensors")
-        dist.barrier()
+        mark("export")
+        arm("export")
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        if is_sharded(model) or rank == 0:  # (as examples/llm_qat/main.py: DDP replicas export once)
+            export_hf_checkpoint(model, out / "export", overwrite=True)
+        with naming_lost_rank("after the export"):
+            dist.barrier()
+        mark("done")
     except BaseException as err:
         text = f"{type(err).__module__}.{type(err).__qualname__}: {err}"
         (out / f"error_{rank}.json").write_text(json.dumps({"t": time.time(), "error": text}))
@@ -135,24 +151,12 @@ def _marks(out: Path, rank: int) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line] if path.is_file() else []
 
 
-def _tensors(out: Path) -> dict[str, str] | None:
-    import hashlib
-
-    from safetensors.torch import load_file
-
-    path = out / "final.safetensors"
-    if not path.is_file():
-        return None
-    return {k: hashlib.sha256(t.numpy().tobytes()).hexdigest() for k, t in load_file(str(path)).items()}
-
-
 def _leftovers(out: Path) -> list[str]:
-    """Temporary files, and checkpoints that are not complete, in a finished run's output."""
+    """Temporary and staging files, and checkpoints that are not complete, in a finished run's output."""
     from modelopt_lite.training.checkpoints import checkpoint_problem
 
-    run = out / "run"
-    found = [str(p.relative_to(out)) for p in run.rglob("*") if ".tmp" in p.name]
-    return found + [p.name for p in run.glob("checkpoint-*") if checkpoint_problem(p) is not None]
+    incomplete = [p.name for p in (out / "run").glob("checkpoint-*") if checkpoint_problem(p) is not None]
+    return leftovers(out) + incomplete
 
 
 def _survivor_error(out: Path, stderr: str) -> str | None:
@@ -180,26 +184,32 @@ def measure(
             f"{setting}: the uninterrupted job failed (rc {job['rc']}): {job['stderr'][-3000:]}"
         )
     marks = _marks(ref, 1)
-    begun = next(m["t"] for m in marks if m["phase"] == "training")  # (on_train_begin; calibration before)
-    length = next(m["t"] for m in marks if m["phase"] == "end") - begun
+    at = {m["phase"]: m["t"] for m in marks}  # (one mark per phase, but training: its first, below)
+    at["training"] = next(m["t"] for m in marks if m["phase"] == "training")
+    length = at["end"] - at["training"]
+    lengths = {"calibration": at["training"] - at["calibration"], "training": length,
+               "export": at["done"] - at["export"]}  # fmt: skip
     writing = [b["t"] - a["t"] for a, b in itertools.pairwise(marks) if a["phase"] == "checkpoint"]
     saves = [(SAVE_EVERY * (n + 1), seconds) for n, seconds in enumerate(writing)]  # (checkpoint-2, -4)
-    reference = _tensors(ref)
-    if not reference or not any(k.endswith("_amax") for k in reference):
-        raise RuntimeError(f"{setting}: the reference job wrote no final tensors with amax")
-    h.log(f"{setting}: reference job: training phase {length:.1f} s, checkpoints "
-          f"{', '.join(f'{s:.2f}' for _, s in saves)} s, {len(reference)} tensors")  # fmt: skip
+    reference = digest(ref)
+    if not any(k.endswith("_amax") for k in reference) or not any(k.startswith("export/") for k in reference):
+        raise RuntimeError(f"{setting}: the reference job wrote no final tensors with amax, or no export")
+    h.log(f"{setting}: reference job: calibration {lengths['calibration']:.2f} s, training phase "
+          f"{length:.1f} s, checkpoints {', '.join(f'{s:.2f}' for _, s in saves)} s, export "
+          f"{lengths['export']:.2f} s, {len(reference)} tensors and files")  # fmt: skip
     rows = {p: {"kills": 0, "exact": 0, "failed_or_partial": 0, "not_killed": 0} for p in phases}
     trials: list[dict] = []
     exits: list[float] = []
     result = {"rows": rows, "trials": trials, "training_seconds": round(length, 2),
+              "calibration_seconds": round(lengths["calibration"], 3),
+              "export_seconds": round(lengths["export"], 3),
               "checkpoint_seconds": {f"checkpoint-{n}": round(s, 3) for n, s in saves}}  # fmt: skip
     for phase, i in ((p, i) for p in phases for i in range(kills)):
         out = work / (f"{setting}_{i}" if phase == "training" else f"{setting}_{phase}_{i}")
         row = rows[phase]
-        if phase == "training":
-            delay = rng.uniform(0, length)
-            kill = f"training:{delay:.4f}"
+        if phase != "checkpoint":
+            delay = rng.uniform(0, lengths[phase])
+            kill = f"{phase}:{delay:.4f}"
         else:
             step, seconds = saves[rng.randrange(len(saves))]
             delay = rng.uniform(0, seconds)
@@ -217,7 +227,7 @@ def measure(
         summary = "local_rank: 1" in job["stderr"] and "exitcode  : -9" in job["stderr"]
         launcher_term = "exitcode  : -15" in job["stderr"]  # (rank 0 ended by torchrun's SIGTERM)
         resumed = _launch(out, setting, resume=True)
-        exact = resumed["rc"] == 0 and _tensors(out) == reference
+        exact = resumed["rc"] == 0 and digest(out) == reference
         left = _leftovers(out)
         bad = resumed["rc"] != 0 or bool(left)
         row["exact"] += exact

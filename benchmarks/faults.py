@@ -10,6 +10,7 @@ Published in ``docs/training.md``, "Killed at any moment" (the table and its com
     python benchmarks/faults.py --modes convert --kills 20     # _faults_convert.py: SmolLM2-135M converted
     python benchmarks/faults.py --modes ddp,fsdp2 --kills 20   # _faults_dist.py: torchrun, rank 1 dies
     python benchmarks/faults.py --modes ddp --phases checkpoint # ... while a checkpoint is written
+    python benchmarks/faults.py --modes ddp,fsdp2 --phases calibration,export  # ... or in those phases
     python benchmarks/faults.py --model smollm2-135m --modes qat --phases training   # a real model
 
 Workload (one child process per run, ``--threads`` each): a tiny Llama built from a config (hidden 64, 2
@@ -34,7 +35,6 @@ an export folder without its files, a staging folder left behind).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import itertools
 import json
 import os
@@ -50,6 +50,7 @@ from pathlib import Path
 import _faults_convert
 import _faults_dist
 import _harness as h
+from _faults_files import digest, leftovers
 
 PHASES = ("calibration", "training", "checkpoint", "export")
 MODES = ("qat", "qad")
@@ -146,25 +147,6 @@ def _marks(out: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line] if path.is_file() else []
 
 
-def _digest(out: Path) -> dict[str, str]:
-    """SHA-256 of every export file, and of the final tensors (by name)."""
-    from safetensors.torch import load_file
-
-    files = sorted((out / "export").rglob("*")) if (out / "export").is_dir() else []
-    found = {
-        str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files if p.is_file()
-    }
-    if (out / "final.safetensors").is_file():
-        for name, t in load_file(str(out / "final.safetensors")).items():
-            found[f"tensor:{name}"] = hashlib.sha256(t.numpy().tobytes()).hexdigest()
-    return found
-
-
-def _leftovers(out: Path) -> list[str]:
-    """Staging or temporary files a finished run should not leave."""
-    return [str(p.relative_to(out)) for p in out.rglob("*") if ".tmp" in p.name or "staging" in p.name]
-
-
 def measure_mode(
     mode: str,
     kills: int,
@@ -181,7 +163,7 @@ def measure_mode(
     times = {}
     for a, b in itertools.pairwise(marks):
         times.setdefault(a["phase"], []).append(b["t"] - a["t"])
-    reference = _digest(ref)
+    reference = digest(ref)
     rows = {p: {"kills": 0, "exact": 0, "failed_or_partial": 0, "not_killed": 0} for p in (*PHASES, "other")}
     trials = []
     for phase in phases:
@@ -200,17 +182,17 @@ def measure_mode(
                 continue
             row["kills"] += 1
             resumed = _spawn(out, mode, threads, resume=True, model=model)
-            exact = resumed == 0 and _digest(out) == reference
+            exact = resumed == 0 and digest(out) == reference
             bad = (
                 resumed != 0
                 or not (out / "export" / "hf_quant_config.json").is_file()
-                or bool(_leftovers(out))
+                or bool(leftovers(out))
             )
             row["exact"] += exact
             row["failed_or_partial"] += bad
             trials.append({
                 "target": phase, "died_in": died_in, "delay_s": round(delay, 4), "resume_rc": resumed,
-                "exact": exact, "leftovers": _leftovers(out),
+                "exact": exact, "leftovers": leftovers(out),
             })  # fmt: skip
             h.log(f"{mode} {phase} #{i}: died in {died_in} after {delay:.3f} s; resumed exact={exact}")
             if model != "tiny" and exact and not bad:  # a real model's checkpoints: 1.6 GB each (SmolLM2)

@@ -123,13 +123,21 @@ def trained_steps(checkpoint: str) -> int:
 
 def load_finished(trainer: Trainer, checkpoint: str) -> TrainOutput:
     """Resume from a checkpoint that already holds ``max_steps`` steps: load it, train nothing.
-    (``Trainer.train`` would run one step more before it compares the step count with ``max_steps``.)"""
-    if trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled:
+    (``Trainer.train`` would run one step more before it compares the step count with ``max_steps``.)
+    Under FSDP the model is sharded first and the sharded checkpoint loaded into it, as ``Trainer.train``
+    prepares a resumed run (model, optimizer and scheduler), so a run killed during its export after the
+    last step resumes to the same sharded model."""
+    prepare = getattr(trainer, "_prepare_for_training", None)  # (transformers' own step of train())
+    if trainer.is_deepspeed_enabled or (trainer.is_fsdp_enabled and prepare is None):
         raise ValueError(
-            f"{checkpoint} already holds max_steps={trainer.args.max_steps} steps; under FSDP / DeepSpeed "
-            "load its model instead of resuming, or raise max_steps"
+            f"{checkpoint} already holds max_steps={trainer.args.max_steps} steps; under "
+            f"{'DeepSpeed' if trainer.is_deepspeed_enabled else 'FSDP with this transformers version'} load "
+            "its model instead of resuming, or raise max_steps"
         )
-    trainer._load_from_checkpoint(checkpoint)  # what Trainer.train loads first (transformers' own loader)
+    if trainer.is_fsdp_enabled:
+        prepare(trainer.args.max_steps, trainer.get_train_dataloader(), checkpoint)
+    else:
+        trainer._load_from_checkpoint(checkpoint)  # what Trainer.train loads first (transformers' own loader)
     trainer.state = TrainerState.load_from_json(str(Path(checkpoint) / TRAINER_STATE_NAME))
     logger.info(
         "%s already holds max_steps=%d steps: the model is loaded from it, nothing is trained",

@@ -187,6 +187,32 @@ def test_a_full_disk_during_export_leaves_nothing_behind(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []  # no export folder, no staging folder
 
 
+def test_a_full_disk_while_writing_a_checkpoint_is_never_resumed_from(
+    tmp_path, monkeypatch, uninterrupted, lib_caplog
+):
+    import errno
+
+    real_save = torch.save
+
+    def filling(obj, f, *args, **kwargs):  # the disk fills up as checkpoint-4's optimizer state is written
+        if str(f).endswith("checkpoint-4/optimizer.pt"):
+            Path(f).write_bytes(b"\0" * 16)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", filling)
+    with pytest.raises(OSError, match="No space left on device"):
+        trainer(str(tmp_path)).train()
+    monkeypatch.setattr(torch, "save", real_save)  # (space freed)
+    assert "no modelopt_lite_complete.json" in checkpoint_problem(tmp_path / "checkpoint-4")
+    resumed = trainer(str(tmp_path))
+    resumed.train(resume_from_checkpoint=True)
+    warnings = [r.getMessage() for r in lib_caplog.records if r.levelname == "WARNING"]
+    assert any("removed the newer incomplete checkpoint(s) checkpoint-4 (" in w for w in warnings)
+    _assert_same(resumed, uninterrupted)
+    assert checkpoint_problem(tmp_path / "checkpoint-4") is None  # written again, whole
+
+
 # ---------------------------------------------------------------- a lost rank
 def _lost_rank_run(
     tmp_path: Path, phase: str, torchrun: bool, worker: str = "_dist_worker.py", scenario: str = "lost_rank"

@@ -60,3 +60,27 @@ def test_a_rank_killed_in_training_stops_the_job_and_the_relaunch_resumes_exactl
     (trial,) = res["trials"]
     assert trial["death_to_exit_s"] < 60
     assert trial["summary_names_rank_1"]  # torchrun's summary: local_rank 1, exitcode -9
+
+
+@pytest.mark.distributed
+def test_a_rank_killed_in_calibration_or_the_sharded_export_stops_the_job_and_resumes_exactly(
+    tmp_path: Path,
+) -> None:
+    # seed 9 draws 0.46 of the reference's calibration and 0.37 of its export: inside both phases
+    out = tmp_path / "dist.json"
+    argv = ["--modes", "fsdp2", "--phases", "calibration,export", "--kills", "1", "--seed", "9"]
+    faults.main([*argv, "--workdir", str(tmp_path / "w"), "--json", str(out)])
+    res = json.loads(out.read_text())["modes"]["fsdp2"]
+    assert res["calibration_seconds"] > 0
+    assert res["export_seconds"] > 0
+    for phase in ("calibration", "export"):
+        _check(res["rows"][phase], 1)
+    calibration, export = res["trials"]
+    assert (calibration["died_in"], export["died_in"]) == ("calibration", "export")
+    for trial in (calibration, export):
+        assert trial["death_to_exit_s"] < 60
+        assert trial["summary_names_rank_1"]
+        assert trial["leftovers"] == []
+    # the writer (rank 0) names the phase when it raised before torchrun's SIGTERM reached it
+    if export["survivor_error"] is not None:
+        assert "export" in export["survivor_error"]

@@ -22,6 +22,7 @@ from ...distributed import (
     has_offloaded_weights,
     is_distributed,
     is_sharded,
+    naming_lost_rank,
 )
 from ...logging import get_logger, get_rank
 from ...nn import QuantModule, SequentialQuantizer, TensorQuantizer, iter_quantizers
@@ -114,19 +115,20 @@ def calibrate(
     names = [name for name, _ in iter_quantizers(model)]
     if not names:
         raise ValueError("the model has no quantizers: call mtq.quantize(model, config, ...) first")
-    if is_distributed():
-        check_same_on_all_ranks(names, "the quantizers of the model")
-    for algorithm, _ in steps:
-        _check_placement(model, algorithm)
-        _check_sequential_activations(model, algorithm)
-    for algorithm, options in steps:
-        options = dict(options)
-        with experts_without_tokens_policy(options.pop(EXPERTS_WITHOUT_TOKENS, "warn")):
-            _ALGORITHMS[algorithm](model, forward_loop, **options)
-        if is_distributed() and algorithm != "max":
-            # Search algorithms ran on each rank's data: make rank 0's result everyone's (weights they
-            # changed and quantizer buffers; DDP would broadcast them at wrap time, FSDP2 does not).
-            broadcast_tensors([*model.parameters(), *_quantizer_buffers(model)])
+    with naming_lost_rank("calibration"):  # (every collective below: a lost rank is named, with the phase)
+        if is_distributed():
+            check_same_on_all_ranks(names, "the quantizers of the model")
+        for algorithm, _ in steps:
+            _check_placement(model, algorithm)
+            _check_sequential_activations(model, algorithm)
+        for algorithm, options in steps:
+            options = dict(options)
+            with experts_without_tokens_policy(options.pop(EXPERTS_WITHOUT_TOKENS, "warn")):
+                _ALGORITHMS[algorithm](model, forward_loop, **options)
+            if is_distributed() and algorithm != "max":
+                # Search algorithms ran on each rank's data: make rank 0's result everyone's (weights they
+                # changed and quantizer buffers; DDP would broadcast them at wrap time, FSDP2 does not).
+                broadcast_tensors([*model.parameters(), *_quantizer_buffers(model)])
     check_calibrated(model)
     return model
 

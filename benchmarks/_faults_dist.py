@@ -126,7 +126,9 @@ def worker(out: Path, setting: str, resume: bool, kill: str | None) -> None:
         mark("done")
     except BaseException as err:
         text = f"{type(err).__module__}.{type(err).__qualname__}: {err}"
-        (out / f"error_{rank}.json").write_text(json.dumps({"t": time.time(), "error": text}))
+        staged = out / f"error_{rank}.json.tmp"  # (torchrun's SIGTERM may come while this is written)
+        staged.write_text(json.dumps({"t": time.time(), "error": text}))
+        os.replace(staged, out / f"error_{rank}.json")
         raise
     dist.destroy_process_group()
     sys.stdout.flush()
@@ -163,6 +165,7 @@ def _survivor_error(out: Path, stderr: str) -> str | None:
     path = out / "error_0.json"
     if path.is_file():
         return h.portable_text(json.loads(path.read_text())["error"])
+    (out / "error_0.json.tmp").unlink(missing_ok=True)  # (cut short by the launcher's SIGTERM)
     lines = [line for line in stderr.splitlines() if line.startswith("[rank0]:") and "Error" in line]
     return h.portable_text(lines[-1].removeprefix("[rank0]:").strip()) if lines else None
 

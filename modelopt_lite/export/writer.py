@@ -31,6 +31,7 @@ from ..distributed import (
     broadcast_json,
     is_distributed,
     is_sharded,
+    naming_lost_rank,
     rank,
     unsharded_class,
     weight_access,
@@ -333,8 +334,9 @@ def export_hf_checkpoint(
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if collective:
-        facts = broadcast_json(facts)
+    if collective:  # (the checkpoint is in place; a rank lost now is still named)
+        with naming_lost_rank("export_hf_checkpoint: sharing what was written"):
+            facts = broadcast_json(facts)
     summary = ", ".join(f"{a} {r:.3f}x of bf16" for a, r in sorted(facts["ratios"].items()))
     logger.info("exported %d quantized layer(s) to %s (%.2f MB; %s)", len(quantized), export_dir,
                 facts["total"] / 1e6, summary or "not verified")  # fmt: skip

@@ -20,6 +20,7 @@ from modelopt_lite.formats import (
 )
 from modelopt_lite.formats.functional import dispatch_fake_quant
 from modelopt_lite.formats.kernels import native as native_mod
+from modelopt_lite.formats.kernels import native_build
 
 from ._fast_paths import (
     check_failure_warns_once_then_reference,
@@ -57,7 +58,7 @@ SPECIAL = (0.0, -0.0, float("inf"), float("-inf"), float("nan"), 2.0**-149, -(2.
 #: the tests that need the kernels built skip on a machine without a C compiler (the library then runs the
 #: reference formulas, with one WARNING; the failed-build test covers that path everywhere)
 needs_compiler = pytest.mark.skipif(
-    native_mod._compiler() is None,
+    native_build.compiler() is None,
     reason="no C compiler ($CC, cc, gcc, clang): the native kernels cannot build",
 )
 
@@ -312,14 +313,14 @@ def test_bfloat16_is_read_and_written_in_one_pass_bit_for_bit(native_on, name, s
 @needs_compiler
 def test_a_cast_unlike_pytorchs_keeps_bfloat16_on_the_float32_copy(native_on, monkeypatch):
     lib = native_mod._library()
-    assert native_mod._bf16_cast_check(lib) == int(torch.tensor([float("nan")] * 4).bfloat16().view(
+    assert native_build.bf16_cast_check(lib) == int(torch.tensor([float("nan")] * 4).bfloat16().view(
         torch.int16)[0]) & 0xFFFF  # fmt: skip
 
     class Skewed:  # a cast whose NaN is not the one PyTorch gives
         def mol_bf16_narrow(self, src, dst, n, nan16):
             lib.mol_bf16_narrow(src, dst, n, nan16 ^ 1)
 
-    assert native_mod._bf16_cast_check(Skewed()) is None
+    assert native_build.bf16_cast_check(Skewed()) is None
     monkeypatch.setitem(native_mod._state, "nan16", None)
     spec = resolve_format(**NVFP4)
     x = torch.randn(4, 64).to(torch.bfloat16)

@@ -5,8 +5,12 @@ it afterwards."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
+from unittest import mock
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
@@ -20,7 +24,12 @@ from .test_native_fake_quant import needs_compiler
 @needs_compiler
 def test_quick_run_times_the_three_forwards_of_each_format(tmp_path: Path) -> None:
     out_file = tmp_path / "out.json"
-    out = eval_forward.main(["--quick", "--threads", "1", "--json", str(out_file)])
+    threads = torch.get_num_threads()
+    with mock.patch.dict(os.environ):  # (the script pins threads and quiets transformers for its process)
+        try:
+            out = eval_forward.main(["--quick", "--threads", "1", "--json", str(out_file)])
+        finally:
+            torch.set_num_threads(threads)
     assert json.loads(out_file.read_text())["rows"].keys() == {"nvfp4", "fp8"}
     for row in out["rows"].values():
         assert row["bf16_io_available"]

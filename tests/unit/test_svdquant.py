@@ -75,8 +75,9 @@ def test_output_is_the_quantized_residual_plus_the_lowrank_branch():
         low = wl.weight_quantizer._svdquant_lora_b @ wl.weight_quantizer._svdquant_lora_a
         xs = x * wl.input_quantizer.pre_quant_scale
         assert torch.allclose(
-            weight_only(x), xs @ (wl.weight_quantizer(wl.weight) + low).t() + wl.bias, atol=1e-5
-        )
+            weight_only(x), xs @ (wl.weight_quantizer(wl.weight) + low).t() + wl.bias, atol=2e-4
+        )  # (outputs up to ~250, float32 steps of 1.5e-5 there: the two sums, in another order, were
+        # 4.6e-5 apart on an AVX512 / AMX CPU)
         # fold_weight folds Q(W - L1 L2) and keeps the branch: the same function
         before = model(x)
         mtq.fold_weight(model)

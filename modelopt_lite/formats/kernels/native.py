@@ -77,6 +77,7 @@ _lock = threading.Lock()
 _state: dict = {"enabled": None, "lib": None, "broken": False, "calls": 0, "path": None, "nan16": None}
 _logged_reasons: set[str] = set()
 
+
 def set_native_fake_quant(enabled: bool | None = None) -> None:
     """Turn the native CPU kernels on or off for this process (``None``: leave as is). Turning them on
     again retries a build that failed."""

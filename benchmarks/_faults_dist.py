@@ -187,8 +187,9 @@ def measure(
             f"{setting}: the uninterrupted job failed (rc {job['rc']}): {job['stderr'][-3000:]}"
         )
     marks = _marks(ref, 1)
-    at = {m["phase"]: m["t"] for m in marks}  # (one mark per phase, but training: its first, below)
-    at["training"] = next(m["t"] for m in marks if m["phase"] == "training")
+    at: dict[str, float] = {}
+    for m in marks:  # each phase's first mark (training's is on_train_begin; it is marked again after saves)
+        at.setdefault(m["phase"], m["t"])
     length = at["end"] - at["training"]
     lengths = {"calibration": at["training"] - at["calibration"], "training": length,
                "export": at["done"] - at["export"]}  # fmt: skip

@@ -283,13 +283,12 @@ def try_native_fake_quant(
         amax = x.detach().abs().amax()  # the reference's dynamic global amax
     if amax is not None:
         amax = amax.detach().to(dtype=torch.float32).contiguous()
-    nan16 = _state["nan16"] if x.dtype == torch.bfloat16 and x.ndim else None
-    if nan16 is not None and (spec.kind in ("nvfp4", "mx") and block > _CHUNK):
-        nan16 = None
-    if nan16 is not None:  # read and written as bfloat16 in one pass (``out`` is not needed)
+    direct = x.dtype == torch.bfloat16 and x.ndim > 0 and _state["nan16"] is not None
+    direct = direct and (spec.kind not in ("nvfp4", "mx") or block <= _CHUNK)
+    nan16 = _state["nan16"] if direct else -1
+    if direct:  # read and written as bfloat16 in one pass (``out`` is not needed)
         src, out = x.detach(), torch.empty(x.shape, dtype=torch.bfloat16)
     else:
-        nan16 = -1
         if out is None or out.shape != x.shape or out.dtype != torch.float32 or not out.is_contiguous():
             out = torch.empty(x.shape, dtype=torch.float32)
         src = x.detach() if x.dtype == torch.float32 else out.copy_(x.detach())

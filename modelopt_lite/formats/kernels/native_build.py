@@ -39,6 +39,7 @@ SIGNATURES = {  # (the last argument of the kernels: -1 for float32 input and ou
 
 
 def compiler() -> str | None:
+    """The C compiler to build with: ``$CC``, else the first of ``cc``, ``gcc``, ``clang`` on the PATH."""
     for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
         if name:
             path = shutil.which(name)

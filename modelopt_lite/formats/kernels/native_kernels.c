@@ -11,7 +11,7 @@
  *
  * bfloat16 input and output: each element is widened to float32 (exact), goes through the same float32
  * operations, and is rounded back to nearest even as PyTorch's CPU cast rounds; a NaN becomes `nan16`, the
- * bits PyTorch's cast gives a NaN on this machine (native.py checks the cast against PyTorch's before it
+ * bits PyTorch's cast gives a NaN on this machine (native_build.py checks the cast against PyTorch's before it
  * uses it). The values pass through float32 chunks of CHUNK elements on the stack: one pass over memory, no
  * float32 copy of the tensor.
  */
@@ -60,7 +60,7 @@ static inline void bf16_narrow(const float *f, uint16_t *h, int64_t n, uint16_t 
     for (int64_t c = 0; c < n; c++) h[c] = bf16_store(f[c], nan16);
 }
 
-/* the cast alone, for native.py's check against PyTorch's */
+/* the cast alone, for native_build.py's check against PyTorch's */
 void mol_bf16_narrow(const float *f, uint16_t *h, int64_t n, int nan16) { bf16_narrow(f, h, n, (uint16_t)nan16); }
 
 /* split the rows (blocks) between threads only when there is enough work to pay for waking them */

@@ -26,9 +26,11 @@ import json
 import math
 import os
 import shutil
+import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -118,7 +120,7 @@ class Shared:
         self.spec = spec
         data = load_file(spec["data"])
         self.calib = list(data["calib"].split(spec["calib_batch"]))
-        self.test = data["test"]
+        self.test = data.get("test")  # none in a task-accuracy spec (_task_accuracy_peer.py)
 
     def fresh_model(self) -> Any:
         import torch
@@ -137,7 +139,7 @@ class Shared:
                 model(input_ids=batch)
 
 
-def _guarded_row(row: dict[str, Any], work: Any) -> None:
+def guarded_row(row: dict[str, Any], work: Any) -> None:
     """``work(row)`` fills ``row``; an exception becomes ``row["error"]``; the row is emitted either way."""
     start = time.perf_counter()
     try:
@@ -153,39 +155,55 @@ def _guarded_row(row: dict[str, Any], work: Any) -> None:
 # --------------------------------------------------------------------------------------------- modelopt
 
 
+def modelopt_quantize(shared: Shared, spec_row: dict[str, Any], row: dict[str, Any]) -> Any:
+    """A fresh model quantized by nvidia-modelopt with the row's preset (and KV preset, appended as its
+    ``hf_ptq`` does with ``update_quant_cfg_with_kv_cache_quant``), calibrated on the shared batches;
+    ``row["calib_s"]`` is set."""
+    import modelopt.torch.quantization as mtq
+    import torch
+    from modelopt.torch.quantization.utils import update_quant_cfg_with_kv_cache_quant
+
+    cfg = copy.deepcopy(getattr(mtq, spec_row["preset"]))
+    if spec_row.get("kv"):
+        cfg = update_quant_cfg_with_kv_cache_quant(cfg, getattr(mtq, spec_row["kv"])["quant_cfg"])
+    model = shared.fresh_model()
+    start = time.perf_counter()
+    with torch.no_grad():
+        mtq.quantize(model, cfg, shared.forward_loop)
+    row["calib_s"] = time.perf_counter() - start
+    return model
+
+
+def modelopt_as_shipped(model: Any) -> bool:
+    """What nvidia-modelopt's ``export_hf_checkpoint`` does to the model in place before writing
+    (``requantize_resmooth_fused_llm_layers``); whether that changed it."""
+    import torch
+    from modelopt.torch.export.unified_export_hf import requantize_resmooth_fused_llm_layers
+
+    before = _digest(model)
+    with torch.no_grad():
+        requantize_resmooth_fused_llm_layers(model)
+    return _digest(model) != before
+
+
 def modelopt_rows(shared: Shared) -> None:
-    """nvidia-modelopt: ``mtq.quantize`` with each preset (and KV preset, appended as its ``hf_ptq`` does with
-    ``update_quant_cfg_with_kv_cache_quant``), calibrated on the shared batches; measured fake-quantized;
-    then measured again after ``requantize_resmooth_fused_llm_layers`` (what its ``export_hf_checkpoint``
-    does to the model in place before writing: q/k/v and gate/up get one averaged AWQ / SmoothQuant
+    """nvidia-modelopt: each row quantized by :func:`modelopt_quantize` and measured fake-quantized; then
+    measured again after :func:`modelopt_as_shipped` (q/k/v and gate/up get one averaged AWQ / SmoothQuant
     ``pre_quant_scale``, folded into the norm, and one input amax / NVFP4 global amax) where that changed
     the model: the model it ships, activation quantization included; then exported (``export_root``) for
     its size, or its error."""
-    import modelopt.torch.quantization as mtq
     import torch
     from modelopt.torch.export import export_hf_checkpoint
-    from modelopt.torch.export.unified_export_hf import requantize_resmooth_fused_llm_layers
-    from modelopt.torch.quantization.utils import update_quant_cfg_with_kv_cache_quant
 
     for spec_row in shared.spec["rows"]:
         row: dict[str, Any] = {"library": "modelopt", **spec_row}
 
         def work(row: dict[str, Any], spec_row: dict[str, Any] = spec_row) -> None:
-            cfg = copy.deepcopy(getattr(mtq, spec_row["preset"]))
-            if spec_row.get("kv"):
-                cfg = update_quant_cfg_with_kv_cache_quant(cfg, getattr(mtq, spec_row["kv"])["quant_cfg"])
-            model = shared.fresh_model()
-            start = time.perf_counter()
-            with torch.no_grad():
-                mtq.quantize(model, cfg, shared.forward_loop)
-            row["calib_s"] = time.perf_counter() - start
+            model = modelopt_quantize(shared, spec_row, row)
             row.update(shared.measure(model))
             h.log(f"  {row['name']:<22} ppl {row['ppl']:.4f}  KL {row['kl']:.4e}  top1 {row['top1']:.4f}")
             try:  # what its export does to the model first, in place: the model it ships
-                before = _digest(model)
-                with torch.no_grad():
-                    requantize_resmooth_fused_llm_layers(model)
-                if _digest(model) == before:
+                if not modelopt_as_shipped(model):
                     row["exported"] = {"same_as_fake_quant": True, "ppl": row["ppl"], "kl": row["kl"],
                                        "top1": row["top1"]}  # fmt: skip
                 else:
@@ -206,7 +224,7 @@ def modelopt_rows(shared: Shared) -> None:
                 shutil.rmtree(out, ignore_errors=True)
             del model
 
-        _guarded_row(row, work)
+        guarded_row(row, work)
 
 
 # ---------------------------------------------------------------------------------------------- torchao
@@ -302,7 +320,36 @@ def torchao_rows(shared: Shared) -> None:
             row.update(shared.measure(model))
             h.log(f"  {row['name']:<22} ppl {row['ppl']:.4f}  KL {row['kl']:.4e}  top1 {row['top1']:.4f}")
 
-        _guarded_row(row, work)
+        guarded_row(row, work)
+
+
+# ------------------------------------------------------------------------------------- the parent's side
+
+
+def run_worker(script: str, python: str, spec: dict[str, Any], work: Path, name: str, *, threads: int,
+               timeout: float | None, args: Sequence[str] = ()) -> dict:  # fmt: skip
+    """Run ``python script --spec work/<name>_spec.json *args`` (a worker of this protocol; its stderr in
+    ``work/<name>.log``): its ``@@ROW`` rows (kept when it is stopped after ``timeout`` s) and result."""
+    spec_path = work / f"{name}_spec.json"
+    spec_path.write_text(json.dumps(spec))
+    env = h.child_env(threads, str(Path(__file__).parent), keep_pythonpath=False)
+    cmd = [python, script, *args, "--spec", str(spec_path)]
+    with open(work / f"{name}.log", "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
+        try:
+            stdout, _ = proc.communicate(timeout=timeout)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, _ = proc.communicate()
+            timed_out = True
+    rows, results = h.parse_results(stdout, ROW_PREFIX), h.parse_results(stdout)
+    result = results[-1] if results else {"error": f"worker exited {proc.returncode} without a result"}
+    if timed_out:
+        result["error"] = f"stopped after {timeout:.0f} s"
+    for r in rows:
+        r.pop("traceback", None)
+    return {**result, "rows": rows, "log": h.portable_arg(str(work / f"{name}.log"))}
 
 
 PEERS = {"modelopt": modelopt_rows, "torchao": torchao_rows}

@@ -57,7 +57,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -379,27 +378,11 @@ def our_rows(prep: dict[str, Any], args: argparse.Namespace, work: Path, sink: A
 
 def run_worker(name: str, python: str, spec: dict[str, Any], work: Path, args: argparse.Namespace) -> dict:
     """A peer worker's rows (``@@ROW`` lines, kept when it is stopped at ``--peer-timeout``) and result."""
-    spec_path = work / f"{name}_spec.json"
-    spec_path.write_text(json.dumps(spec))
-    env = h.child_env(args.threads, str(Path(__file__).parent), keep_pythonpath=False)
-    cmd = [python, WORKER, "--peer", name, "--spec", str(spec_path)]
-    log = open(work / f"{name}.log", "w")  # closed below
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
-    try:
-        stdout, _ = proc.communicate(timeout=args.peer_timeout)
-        timed_out = False
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        stdout, _ = proc.communicate()
-        timed_out = True
-    log.close()
-    rows, results = h.parse_results(stdout, peer.ROW_PREFIX), h.parse_results(stdout)
-    result = results[-1] if results else {"error": f"worker exited {proc.returncode} without a result"}
-    if timed_out:
+    result = peer.run_worker(WORKER, python, spec, work, name, threads=args.threads,
+                             timeout=args.peer_timeout, args=["--peer", name])  # fmt: skip
+    if result.get("error", "").startswith("stopped after"):
         result["error"] = f"stopped after --peer-timeout {args.peer_timeout:.0f} s"
-    for r in rows:
-        r.pop("traceback", None)
-    return {**result, "rows": rows, "log": h.portable_arg(str(work / f"{name}.log"))}
+    return result
 
 
 def peer_spec(prep: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:

@@ -15,6 +15,11 @@ One model in the process at a time, each row on its own float32 copy read from t
   corpus' ``fit`` split (batches of ``--batch-size``; the defaults are the shipped QAD / QAT recipes'
   calibration, so a trained row's PTQ row is its starting point), then q/k/v and gate/up scales unified as
   the export does: the model that would be exported;
+* one row per ``--reference-formats`` name: nvidia-modelopt's PTQ with the same preset on the same
+  calibration batches, changed as its export changes the model, scored by the same lm-eval, configs,
+  documents and batch size (``_task_accuracy_peer.py`` under ``--reference-python``, a virtualenv with
+  nvidia-modelopt and lm-eval: ``python benchmarks/peers.py --make-venvs DIR``, then
+  ``DIR/modelopt/bin/python -m pip install lm_eval==<ours>``); named ``<format> (modelopt)``;
 * one row per ``--trained NAME=DIR@FORMAT``: a directory saved by ``QADTrainer`` / ``QATTrainer``
   (``examples/llm_qat/main.py`` writes one to its ``output_dir``), loaded with
   ``mto.enable_huggingface_checkpointing()`` (its quantizers and amax restored, not recalibrated); ``FORMAT``
@@ -35,14 +40,19 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import _harness as h
+import _real_ptq_peer as peer
 
 TASKS = ("hellaswag", "piqa", "arc_easy", "arc_challenge", "winogrande", "boolq", "lambada_openai")
 FORMATS = ("fp8", "int8_sq", "int4_awq", "w4a8_awq", "nvfp4", "nvfp4_awq", "w4a16_nvfp4", "mxfp8")
+REFERENCE_ON_CPU = ("fp8", "int8_sq", "int4_awq", "w4a8_awq")  # its NVFP4 / MX presets need CUDA
+WORKER = str(Path(__file__).with_name("_task_accuracy_peer.py"))
 NORMED = ("hellaswag", "piqa", "arc_easy", "arc_challenge")  # lm-eval's acc_norm is their usual figure
 
 
@@ -60,6 +70,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="measure only the --trained rows (to --merge with an earlier run holding float and PTQ rows)",
     )
+    p.add_argument(
+        "--reference-formats",
+        default="",
+        help="comma-separated --qformat names for nvidia-modelopt's PTQ rows (on a CPU: "
+        + ",".join(REFERENCE_ON_CPU)
+        + ")",
+    )
+    p.add_argument("--peer-timeout", type=float, default=None, help="s before the reference worker stops")
     p.add_argument("--tasks", default=",".join(TASKS), help="comma-separated local lm-eval tasks")
     p.add_argument("--limit", type=int, default=None, help="the first N documents of each task (default all)")
     p.add_argument("--eval-batch-size", type=int, default=8, help="lm-eval's batch size")
@@ -75,9 +93,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="join --json files of runs on the same model, tasks and --limit (a later run's trained rows "
         "beside an earlier run's PTQ rows; a row measured twice must agree) into --json / --md / --png",
     )
-    h.common(p, threads=1, json="results (rewritten after each row)", md="tables", png="figure")
+    h.common(p, threads=1, json="results (rewritten after each row)", md="tables", png="figure",
+             reference="nvidia-modelopt (and lm-eval) interpreter for --reference-formats")  # fmt: skip
     args = p.parse_args(argv)
     args.formats = h.csv(args.formats)
+    args.reference_formats = h.csv(args.reference_formats)
+    if args.reference_formats and not args.reference_python:
+        p.error(f"--reference-formats: {h.no_reference_python()}")
     args.tasks = h.csv(args.tasks)
     args.trained = [parse_trained(t) for t in h.csv(args.trained)]
     if args.trained_only and not args.trained:
@@ -178,6 +200,53 @@ def evaluate(model: Any, tokenizer: Any, args: argparse.Namespace) -> tuple[dict
     return scores(results, args.tasks), time.perf_counter() - start
 
 
+def check_reference(python: str) -> None:
+    """The reference interpreter imports nvidia-modelopt and our lm-eval version, or the fix is named."""
+    import lm_eval
+
+    probe = "import lm_eval, modelopt, sys; sys.exit(lm_eval.__version__ != sys.argv[1])"
+    proc = subprocess.run([python, "-c", probe, lm_eval.__version__], capture_output=True, text=True)
+    if proc.returncode:
+        why = (proc.stderr.strip().splitlines() or ["another lm-eval version"])[-1]
+        raise SystemExit(f"--reference-python {python}: it must import nvidia-modelopt and lm-eval "
+                         f"{lm_eval.__version__} (ours); install it there with: {python} -m pip install "
+                         f"lm_eval=={lm_eval.__version__}  ({why})")  # fmt: skip
+
+
+def reference_rows(args: argparse.Namespace, path: str, batches: list[Any]) -> list[dict[str, Any]]:
+    """nvidia-modelopt's rows, scored in its own interpreter (``_task_accuracy_peer.py``)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from modelopt_lite.cli.ptq import QFORMATS
+    from modelopt_lite.evaluation import load_local_tasks
+
+    work = Path(tempfile.mkdtemp(prefix="task_accuracy_reference_"))
+    include = str(load_local_tasks(args.task_dir).include_path)
+    save_file({"calib": torch.cat(batches).contiguous()}, str(work / "calib.safetensors"))
+    spec = {"model_dir": path, "data": str(work / "calib.safetensors"), "calib_batch": args.batch_size,
+            "threads": args.threads, "seed": 0, "tasks": args.tasks, "limit": args.limit,
+            "eval_batch": args.eval_batch_size, "include_path": include,
+            "rows": [{"name": f"{n} (modelopt)", "preset": QFORMATS[n], "kv": None}
+                     for n in args.reference_formats]}  # fmt: skip
+    h.log(f"nvidia-modelopt's rows {args.reference_formats} (log: {work}/modelopt.log)")
+    out = peer.run_worker(WORKER, args.reference_python, spec, work, "modelopt", threads=args.threads,
+                          timeout=args.peer_timeout)  # fmt: skip
+    if out.get("error"):
+        h.log(f"  nvidia-modelopt's worker: {out['error']}")
+    rows = []
+    for r in out["rows"]:
+        row = {"name": r["name"], "kind": "ptq", "library": "modelopt", "preset": r["preset"],
+               "versions": out.get("versions")}  # fmt: skip
+        if r.get("error"):
+            rows.append({**row, "error": r["error"]})
+            continue
+        rows.append({**row, "tasks": scores(r["results"], args.tasks), "tasks_s": r["tasks_s"],
+                     "calib_s": round(r["calib_s"], 1), "shipped_changed": r["shipped_changed"],
+                     "peak_rss_mb": r["peak_rss_mb"]})  # fmt: skip
+    return rows
+
+
 def measure(args: argparse.Namespace, save: Any) -> list[dict[str, Any]]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -190,9 +259,11 @@ def measure(args: argparse.Namespace, save: Any) -> list[dict[str, Any]]:
 
     load_local_tasks(args.task_dir).check(args.tasks)  # before any model loads: the fix is named
     require_lm_eval()
-    for name in args.formats:
+    for name in args.formats + args.reference_formats:
         if name not in QFORMATS:
             raise SystemExit(f"--formats {name!r}: one of {sorted(QFORMATS)}")
+    if args.reference_formats:
+        check_reference(args.reference_python)
     for t in args.trained:
         config = Path(t["dir"], "config.json")
         quant = json.loads(config.read_text()).get("quantization_config", {}) if config.is_file() else {}
@@ -206,18 +277,26 @@ def measure(args: argparse.Namespace, save: Any) -> list[dict[str, Any]]:
     tokenizer = AutoTokenizer.from_pretrained(path)
     batches = calibration(args, tokenizer)
     rows: list[dict[str, Any]] = []
+    errors: list[dict[str, Any]] = []  # rows that raised (the reference's), kept in the JSON
 
     def load(where: str) -> Any:
         return AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32).eval()
 
+    def scored(row: dict[str, Any]) -> None:
+        if row.get("error"):
+            errors.append(row)
+            h.log(f"  {row['name']:<16} {row['error']}")
+        else:
+            rows.append(row)
+            summarize(rows)
+            cells = "  ".join(f"{t} {row['tasks'][t][headline(t)]:.3f}" for t in args.tasks)
+            h.log(f"  {row['name']:<16} mean {row['mean']:.4f}  {cells}  ({row['tasks_s']:.0f} s)")
+        save(rows, errors)
+
     def add(row: dict[str, Any], model: Any) -> None:
         row["tasks"], row["tasks_s"] = evaluate(model, tokenizer, args)
         row["peak_rss_mb"] = h.peak_rss_mb()
-        rows.append(row)
-        summarize(rows)
-        cells = "  ".join(f"{t} {row['tasks'][t][headline(t)]:.3f}" for t in args.tasks)
-        h.log(f"  {row['name']:<16} mean {row['mean']:.4f}  {cells}  ({row['tasks_s']:.0f} s)")
-        save(rows)
+        scored(row)
 
     if not args.trained_only:
         add({"name": "float", "kind": "float"}, load(path))
@@ -230,6 +309,8 @@ def measure(args: argparse.Namespace, save: Any) -> list[dict[str, Any]]:
         add({"name": name, "kind": "ptq", "preset": QFORMATS[name],
              "calib_s": round(time.perf_counter() - start, 1)}, model)  # fmt: skip
         del model
+    for row in reference_rows(args, path, batches) if args.reference_formats else []:
+        scored(row)
     mto.enable_huggingface_checkpointing()
     for t in args.trained:
         add(
@@ -338,13 +419,16 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     result: dict[str, Any] = {"meta": {}, "rows": []}
 
-    def save(rows: list[dict[str, Any]]) -> None:
+    def save(rows: list[dict[str, Any]], errors: list[dict[str, Any]]) -> None:
         result["meta"] = {
             **h.run_meta(__file__, argv, time.perf_counter() - start), "threads": args.threads,
             "model": args.model, "tasks": args.tasks, "limit": args.limit, "formats": args.formats,
             "trained": args.trained, "calibration": f"{args.calib_size} x {args.calib_seq} tokens of fit",
+            "reference_formats": args.reference_formats,
         }  # fmt: skip
         result["rows"] = rows
+        if errors:
+            result["errors"] = errors
         h.write_json(args.json, result)
 
     measure(args, save)

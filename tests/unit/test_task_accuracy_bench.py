@@ -170,3 +170,110 @@ def test_bad_input_stops_before_a_model_runs(setup, tmp_path):
     with pytest.raises(ValueError, match="no local data"):
         bench.main(_args(setup, tmp_path, "--tasks", "piqa,gsm8k"))
     assert not (tmp_path / "r.json").exists()
+
+
+# ------------------------------------------------------------------ nvidia-modelopt's rows, by a stand-in
+
+STAND_IN = {
+    "modelopt/__init__.py": "__version__ = '0.0-stand-in'\n",
+    "modelopt/torch/__init__.py": "",
+    "modelopt/torch/quantization/__init__.py": """
+import json, os
+import torch
+
+FP8_DEFAULT_CFG = {"quant_cfg": {}, "scale": 0.5}
+
+
+def quantize(model, cfg, forward_loop):
+    seen = []
+    hook = model.register_forward_pre_hook(lambda m, a, k: seen.append(list(k["input_ids"].shape)),
+                                           with_kwargs=True)
+    forward_loop(model)
+    hook.remove()
+    with open(os.environ["STAND_IN_LOG"], "w") as f:
+        json.dump(seen, f)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear):
+                m.weight.mul_(cfg["scale"])
+    return model
+""",
+    "modelopt/torch/quantization/utils.py": "def update_quant_cfg_with_kv_cache_quant(c, k):\n    return c\n",
+    "modelopt/torch/export/__init__.py": "",
+    "modelopt/torch/export/unified_export_hf.py": """
+import torch
+
+
+def requantize_resmooth_fused_llm_layers(model):
+    with torch.no_grad():
+        for name, m in model.named_modules():
+            if name.endswith("down_proj"):
+                m.weight.mul_(1.25)
+""",
+}
+
+
+def _stand_in_python(tmp_path: Path) -> Path:
+    """An interpreter that imports a stand-in ``modelopt`` (this one's Python, the stand-in first on its
+    path): the worker's protocol, its calibration and its as-shipped step, without nvidia-modelopt."""
+    for rel, text in STAND_IN.items():
+        (tmp_path / "stand_in" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "stand_in" / rel).write_text(text)
+    python = tmp_path / "python"
+    python.write_text(
+        f'#!/bin/sh\nPYTHONPATH="{tmp_path / "stand_in"}:$PYTHONPATH" exec {sys.executable} "$@"\n'
+    )
+    python.chmod(0o755)
+    return python
+
+
+def test_the_references_rows_are_its_model_scored_as_ours(setup, tmp_path, monkeypatch):
+    """Each reference row is the model its worker quantized (the same calibration batches), changed as its
+    export changes it, scored by the same lm-eval, configs and documents: equal to scoring that model here."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tasks_dir, base, _ = setup
+    monkeypatch.setenv("STAND_IN_LOG", str(tmp_path / "calib.json"))
+    python = _stand_in_python(tmp_path)
+    argv = _args(setup, tmp_path, "--formats", "fp8", "--reference-formats", "fp8", "--reference-python",
+                 str(python))  # fmt: skip
+    assert bench.main(argv) == 0
+    result = json.loads((tmp_path / "r.json").read_text())
+    rows = {r["name"]: r for r in result["rows"]}
+    assert list(rows) == ["float", "fp8", "fp8 (modelopt)"]
+    ref = rows["fp8 (modelopt)"]
+    assert (ref["library"], ref["preset"], ref["shipped_changed"]) == ("modelopt", "FP8_DEFAULT_CFG", True)
+    assert ref["versions"]["modelopt"] == "0.0-stand-in"
+    # the calibration it saw: --calib-size 2 windows of --calib-seq 16, in batches of --batch-size 2
+    assert json.loads((tmp_path / "calib.json").read_text()) == [[2, 16]]
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    with torch.no_grad():
+        for name, m in model.named_modules():
+            if isinstance(m, torch.nn.Linear):
+                m.weight.mul_(0.5 * (1.25 if name.endswith("down_proj") else 1.0))
+    direct = evaluate_tasks(model, TASKS, tokenizer=AutoTokenizer.from_pretrained(base), limit=4,
+                            task_dir=tasks_dir)["results"]  # fmt: skip
+    for task in ("piqa", "arc_easy"):
+        for metric in ("acc", "acc_norm", "acc_stderr"):
+            assert ref["tasks"][task][metric] == direct[task][f"{metric},none"]
+    assert ref["drop"] == pytest.approx(rows["float"]["mean"] - ref["mean"])
+    assert "| fp8 (modelopt) |" in (tmp_path / "r.md").read_text()
+
+
+def test_a_reference_without_lm_eval_or_a_failing_row_is_said(setup, tmp_path, monkeypatch, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(_args(setup, tmp_path, "--reference-formats", "fp8", "--reference-python", ""))
+    assert "--reference-formats: no reference interpreter" in capsys.readouterr().err
+    # an interpreter without nvidia-modelopt: the command that installs what is missing, before any model
+    with pytest.raises(SystemExit, match=r"must import nvidia-modelopt and lm-eval .* pip install lm_eval=="):
+        bench.main(_args(setup, tmp_path, "--reference-formats", "fp8", "--reference-python", sys.executable))
+    assert not (tmp_path / "r.json").exists()
+    # a preset the reference lacks: that row's error is kept, the others stand
+    monkeypatch.setenv("STAND_IN_LOG", str(tmp_path / "calib.json"))
+    argv = _args(setup, tmp_path, "--formats", "", "--reference-formats", "nvfp4", "--reference-python",
+                 str(_stand_in_python(tmp_path)))  # fmt: skip
+    assert bench.main(argv) == 0
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert [r["name"] for r in result["rows"]] == ["float"]
+    assert result["errors"][0]["name"] == "nvfp4 (modelopt)"
+    assert "NVFP4_DEFAULT_CFG" in result["errors"][0]["error"]

@@ -18,6 +18,8 @@ a ``save_to_disk`` directory); its last ``--heldout_percent`` of documents are h
 The run: held-out perplexity of the model as given, quantize + calibrate (PTQ), perplexity again, train,
 perplexity after, export a deployable checkpoint to ``<output_dir>/export`` and read it back. Perplexity and
 KL to the model as given follow ``modelopt_lite.evaluation``'s protocol (``eval_protocol`` in the results).
+``--tasks piqa,arc_easy --tasks_limit 200`` ends with lm-eval task accuracy of the trained model (offline,
+the local tasks of docs/tasks.md; ``tasks`` in the results), checked before anything loads.
 """
 
 from __future__ import annotations
@@ -84,6 +86,13 @@ class DataArguments:
     heldout_percent: float = field(
         default=10.0, metadata={"help": "With --dataset: the share of the file kept for evaluation."}
     )
+    tasks: str | None = field(
+        default=None,
+        metadata={"help": "Last: lm-eval task accuracy of the trained model on these local tasks, e.g. "
+                  "piqa,arc_easy (the lm_eval extra and the extracted tasks: modelopt-lite-eval, "
+                  "docs/tasks.md); batches of --per_device_eval_batch_size."},
+    )  # fmt: skip
+    tasks_limit: int | None = field(default=None, metadata={"help": "With --tasks: N documents per task."})
 
 
 DATACLASSES = (ModelArguments, DataArguments, TrainingArguments, QuantizationArguments, DistillationArguments)
@@ -118,6 +127,25 @@ def parse(argv: list[str]) -> tuple[Any, ...]:
     return parser.parse_args_into_dataclasses(args=config_args + argv)
 
 
+def check_tasks(data: DataArguments) -> None:
+    """Before any model loads: ``--tasks`` names local tasks and lm-eval is installed, or the fix is named."""
+    if data.tasks_limit is not None and (not data.tasks or data.tasks_limit < 1):
+        raise SystemExit("--tasks_limit: a positive number of documents, with --tasks")
+    if data.tasks:
+        try:
+            evaluation.load_local_tasks().check(evaluation.task_names(data.tasks))
+            evaluation.require_lm_eval()
+        except (ValueError, FileNotFoundError, ImportError) as err:
+            raise SystemExit(f"--tasks: {err}") from None
+
+
+def task_scores(results: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """lm-eval's figures per task and group (``acc``, ``acc_stderr``, ``acc_norm``, ...)."""
+    found = {**results.get("results", {}), **results.get("groups", {})}
+    return {task: {k.split(",")[0]: v for k, v in got.items() if k.endswith(",none") and isinstance(v, float)}
+            for task, got in found.items()}  # fmt: skip
+
+
 def split_texts(data: DataArguments, default_model: str | None) -> tuple[list[str], list[str]]:
     """(train texts, held-out texts). The corpus for a real model: its ``fit`` split for training and its
     ``test`` split for evaluation (the ``validation`` split between them is left for choosing settings)."""
@@ -147,6 +175,7 @@ def reload_export(export_dir: Path) -> torch.nn.Module:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     model_args, data, training, quant, distill = parse(sys.argv[1:] if argv is None else argv)
+    check_tasks(data)
     named = model_args.default_model if model_args.model_name_or_path is None else None
     if model_args.model_name_or_path is None:
         from modelopt_lite.models import default_model_path
@@ -218,6 +247,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results["export_dir"] = str(export_dir)
         results["export_mb"] = round(exported.total_bytes / 1e6, 3)
         measure("exported_weights", reloaded)
+        if data.tasks:  # the trained model in memory; a sharded one through its export read back
+            scored, what = (reloaded, "export read back") if is_sharded(model) else (model, "trained model")
+            found = evaluation.evaluate_tasks(scored, data.tasks, tokenizer=tokenizer, limit=data.tasks_limit,
+                                              batch_size=batch)  # fmt: skip
+            results["tasks"] = {"model": what, "limit": data.tasks_limit, "scores": task_scores(found)}
         logger.info("results: %s", json.dumps(results, indent=1))
         (Path(training.output_dir) / "results.json").write_text(json.dumps(results, indent=1))
     return results

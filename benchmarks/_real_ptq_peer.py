@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -360,17 +360,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peer", choices=sorted(PEERS), required=True)
     p.add_argument("--spec", required=True)
     a = p.parse_args(argv)
-    result: dict[str, Any] = {"peer": a.peer}
-    try:
-        with open(a.spec) as f:
-            spec = json.load(f)
-        import torch
-        import transformers
+    return worker_main(a.spec, a.peer, [a.peer], PEERS[a.peer])
 
-        lib = __import__("torchao" if a.peer == "torchao" else "modelopt")
-        result["versions"] = {"torch": torch.__version__, "transformers": transformers.__version__,
-                              a.peer: lib.__version__}  # fmt: skip
-        PEERS[a.peer](Shared(spec))
+
+def worker_main(spec_path: str, peer: str, libs: Sequence[str], rows: Callable[[Shared], None]) -> int:
+    """A worker's body: read the spec, record the versions of torch, transformers and ``libs`` (modules),
+    run ``rows(Shared(spec))``; the last line is ``@@RESULT`` (with the error, if one was raised)."""
+    result: dict[str, Any] = {"peer": peer}
+    try:
+        with open(spec_path) as f:
+            spec = json.load(f)
+        result["versions"] = {name: __import__(name).__version__ for name in ["torch", "transformers", *libs]}
+        rows(Shared(spec))
         result["peak_rss_mb"] = h.peak_rss_mb()
     except Exception as err:
         result["error"] = h.error_text(err, 400)

@@ -24,10 +24,8 @@ versions.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-import traceback
 from typing import Any
 
 import _harness as h
@@ -65,24 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--spec", required=True)
     a = p.parse_args(argv)
-    result: dict[str, Any] = {"peer": "modelopt"}
-    try:
-        with open(a.spec) as f:
-            spec = json.load(f)
-        import lm_eval
-        import modelopt
-        import torch
-        import transformers
-
-        result["versions"] = {"torch": torch.__version__, "transformers": transformers.__version__,
-                              "modelopt": modelopt.__version__, "lm_eval": lm_eval.__version__}  # fmt: skip
-        task_rows(peer.Shared(spec))
-        result["peak_rss_mb"] = h.peak_rss_mb()
-    except Exception as err:
-        result["error"] = h.error_text(err, 400)
-        result["traceback"] = traceback.format_exc()[-3000:]
-    h.emit_result(result)
-    return 0
+    return peer.worker_main(a.spec, "modelopt", ["modelopt", "lm_eval"], task_rows)
 
 
 if __name__ == "__main__":

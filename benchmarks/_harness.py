@@ -173,16 +173,24 @@ def tiny_model(arch: str = "Llama", seed: int | None = 0, **config: Any) -> Any:
     return getattr(transformers, f"{arch}ForCausalLM")(cfg).float()
 
 
-def cpu_training_args(output_dir: str, steps: int, batch: int, lr: float) -> Any:
+def cpu_training_args(output_dir: str, steps: int, batch: int, lr: float, checkpointing: bool = False) -> Any:
     """The ``transformers.TrainingArguments`` of the step benchmarks: ``steps`` optimizer steps of ``batch``
     samples at ``lr`` (AdamW, linear schedule), on the CPU, seed 0, logging every step, no saving, no
-    reporting, no progress bar, no data-loader workers."""
+    reporting, no progress bar, no data-loader workers; ``checkpointing``: activation (gradient)
+    checkpointing of the blocks, non-reentrant. It is given when the arguments are built: transformers 5.25
+    resolves ``gradient_checkpointing`` into ``activation_checkpointing`` then, and setting either attribute
+    afterwards changes nothing (it silently did so for ``lora_memory.py --gradient-checkpointing``)."""
+    import dataclasses
+
     from transformers import TrainingArguments
 
+    names = {f.name for f in dataclasses.fields(TrainingArguments)}
+    name = "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
+    extra = {name: True, f"{name}_kwargs": {"use_reentrant": False}} if checkpointing else {}
     return TrainingArguments(
         output_dir=output_dir, max_steps=steps, per_device_train_batch_size=batch, learning_rate=lr,
         report_to=[], save_strategy="no", logging_steps=1, use_cpu=True, seed=0, disable_tqdm=True,
-        dataloader_num_workers=0,
+        dataloader_num_workers=0, **extra,
     )  # fmt: skip
 
 

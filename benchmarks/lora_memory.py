@@ -108,10 +108,8 @@ def _child(mode: str, args) -> dict:
 
     probe = Probe()
     with tempfile.TemporaryDirectory(prefix="lora_memory_") as out:
-        train_args = h.cpu_training_args(out, 1 + args.steps, args.batch, 1e-4)
-        if args.gradient_checkpointing:  # every mode recomputes its blocks' activations in backward
-            train_args.gradient_checkpointing = True
-            train_args.gradient_checkpointing_kwargs = {"use_reentrant": False}
+        # --gradient-checkpointing: every mode recomputes its blocks' activations in backward
+        train_args = h.cpu_training_args(out, 1 + args.steps, args.batch, 1e-4, args.gradient_checkpointing)
         common = dict(args=train_args, train_dataset=data, callbacks=[probe])
         if teacher is None:
             if lora_config is not None:

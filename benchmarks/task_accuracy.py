@@ -235,9 +235,10 @@ def reference_rows(args: argparse.Namespace, path: str, batches: list[Any]) -> l
     h.log(f"nvidia-modelopt's rows {args.reference_formats} (log: {work}/modelopt.log)")
     out = peer.run_worker(WORKER, args.reference_python, spec, work, "modelopt", threads=args.threads,
                           timeout=args.peer_timeout)  # fmt: skip
-    if out.get("error"):
-        h.log(f"  nvidia-modelopt's worker: {out['error']}")
     rows = []
+    if out.get("error"):  # the worker itself failed (or was stopped): kept in the JSON's errors
+        rows.append({"name": "nvidia-modelopt's worker", "kind": "ptq", "library": "modelopt",
+                     "error": out["error"]})  # fmt: skip
     for r in out["rows"]:
         row = {"name": r["name"], "kind": "ptq", "library": "modelopt", "preset": r["preset"],
                "versions": out.get("versions")}  # fmt: skip

@@ -279,3 +279,11 @@ def test_a_reference_without_lm_eval_or_a_failing_row_is_said(setup, tmp_path, m
     assert [r["name"] for r in result["rows"]] == ["float"]
     assert result["errors"][0]["name"] == "nvfp4 (modelopt)"
     assert "NVFP4_DEFAULT_CFG" in result["errors"][0]["error"]
+    # a worker stopped at --peer-timeout: said in the JSON, not only in the log
+    monkeypatch.setitem(STAND_IN, "modelopt/torch/export/__init__.py", "import time\ntime.sleep(60)\n")
+    argv = _args(setup, tmp_path, "--formats", "", "--reference-formats", "fp8", "--peer-timeout", "5",
+                 "--reference-python", str(_stand_in_python(tmp_path)))  # fmt: skip
+    assert bench.main(argv) == 0
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["errors"] == [{"name": "nvidia-modelopt's worker", "kind": "ptq", "library": "modelopt",
+                                 "error": "stopped after 5 s"}]  # fmt: skip

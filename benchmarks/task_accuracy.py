@@ -129,13 +129,10 @@ def headline(task: str) -> str:
 
 def scores(results: dict[str, Any], tasks: list[str]) -> dict[str, dict[str, float]]:
     """Per task: every ``metric,none`` lm-eval reported (``acc``, ``acc_stderr``, ``acc_norm``, ...)."""
-    out: dict[str, dict[str, float]] = {}
-    for task in tasks:
-        got = results.get("results", {}).get(task) or results.get("groups", {}).get(task, {})
-        out[task] = {
-            k.split(",")[0]: v for k, v in got.items() if k.endswith(",none") and isinstance(v, float)
-        }
-    return out
+    from modelopt_lite.evaluation import task_scores
+
+    found = task_scores(results)
+    return {task: found.get(task, {}) for task in tasks}
 
 
 def mean_score(row: dict[str, Any]) -> float:
@@ -258,11 +255,10 @@ def measure(args: argparse.Namespace, save: Any) -> list[dict[str, Any]]:
     import modelopt_lite.opt as mto
     import modelopt_lite.quantization as mtq
     from modelopt_lite.cli.ptq import QFORMATS, build_config
-    from modelopt_lite.evaluation import load_local_tasks, require_lm_eval
+    from modelopt_lite.evaluation import check_tasks
     from modelopt_lite.export.layers import unify_shared_scales
 
-    load_local_tasks(args.task_dir).check(args.tasks)  # before any model loads: the fix is named
-    require_lm_eval()
+    check_tasks(args.tasks, args.task_dir)  # before any model loads: the fix is named
     for name in args.formats + args.reference_formats:
         if name not in QFORMATS:
             raise SystemExit(f"--formats {name!r}: one of {sorted(QFORMATS)}")

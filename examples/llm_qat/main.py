@@ -133,17 +133,9 @@ def check_tasks(data: DataArguments) -> None:
         raise SystemExit("--tasks_limit: a positive number of documents, with --tasks")
     if data.tasks:
         try:
-            evaluation.load_local_tasks().check(evaluation.task_names(data.tasks))
-            evaluation.require_lm_eval()
+            evaluation.check_tasks(data.tasks)
         except (ValueError, FileNotFoundError, ImportError) as err:
             raise SystemExit(f"--tasks: {err}") from None
-
-
-def task_scores(results: dict[str, Any]) -> dict[str, dict[str, float]]:
-    """lm-eval's figures per task and group (``acc``, ``acc_stderr``, ``acc_norm``, ...)."""
-    found = {**results.get("results", {}), **results.get("groups", {})}
-    return {task: {k.split(",")[0]: v for k, v in got.items() if k.endswith(",none") and isinstance(v, float)}
-            for task, got in found.items()}  # fmt: skip
 
 
 def split_texts(data: DataArguments, default_model: str | None) -> tuple[list[str], list[str]]:
@@ -251,7 +243,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             scored, what = (reloaded, "export read back") if is_sharded(model) else (model, "trained model")
             found = evaluation.evaluate_tasks(scored, data.tasks, tokenizer=tokenizer, limit=data.tasks_limit,
                                               batch_size=batch)  # fmt: skip
-            results["tasks"] = {"model": what, "limit": data.tasks_limit, "scores": task_scores(found)}
+            results["tasks"] = {
+                "model": what,
+                "limit": data.tasks_limit,
+                "scores": evaluation.task_scores(found),
+            }
         logger.info("results: %s", json.dumps(results, indent=1))
         (Path(training.output_dir) / "results.json").write_text(json.dumps(results, indent=1))
     return results

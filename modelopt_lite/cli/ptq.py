@@ -167,8 +167,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--tasks_limit: a positive number of documents, with --tasks")
     if args.tasks:  # before the model loads: a task without local data, lm-eval missing
         try:
-            evaluation.load_local_tasks().check(evaluation.task_names(args.tasks))
-            evaluation.require_lm_eval()
+            evaluation.check_tasks(args.tasks)
         except (ValueError, FileNotFoundError, ImportError) as err:
             p.error(str(err))
     if args.pyt_ckpt_path is not None and args.default_model is not None:

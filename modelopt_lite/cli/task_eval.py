@@ -143,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from ..evaluation import evaluate_tasks, extract_tasks, load_local_tasks, require_lm_eval
+    from ..evaluation import check_tasks, evaluate_tasks, extract_tasks, load_local_tasks
 
     task_dir = args.task_dir
     if args.extract_tasks:
@@ -162,8 +162,7 @@ def _run(args: argparse.Namespace) -> int:
                 )
     if args.model is None:
         return 0
-    load_local_tasks(task_dir).check([t.strip() for t in args.tasks.split(",") if t.strip()])
-    require_lm_eval()  # before the model loads
+    check_tasks(args.tasks, task_dir)  # before the model loads
     start = time.perf_counter()
     model, tokenizer = load_model(args.model, args.load, DTYPES[args.dtype])
     loaded = time.perf_counter()

@@ -11,7 +11,15 @@ It imports only torch, PyYAML and the standard library at import time (scripts i
 it: ``benchmarks/``); lm-eval is imported when a task runs (the ``lm_eval`` extra).
 """
 
-from .harness import LM_EVAL_INSTALL, check_vocabulary, evaluate_tasks, require_lm_eval, task_names
+from .harness import (
+    LM_EVAL_INSTALL,
+    check_tasks,
+    check_vocabulary,
+    evaluate_tasks,
+    require_lm_eval,
+    task_names,
+    task_scores,
+)
 from .heldout import (
     KL_MAX_BYTES,
     MAX_WINDOW,
@@ -42,6 +50,7 @@ __all__ = [
     "Comparison",
     "LocalTasks",
     "StoredLogits",
+    "check_tasks",
     "check_vocabulary",
     "compare",
     "default_window",
@@ -59,4 +68,5 @@ __all__ = [
     "store_logits",
     "stored_logits_bytes",
     "task_names",
+    "task_scores",
 ]

@@ -50,6 +50,24 @@ def task_names(tasks: str | Sequence[str]) -> list[str]:
     return names
 
 
+def check_tasks(tasks: str | Sequence[str], task_dir: str | os.PathLike[str] | None = None) -> list[str]:
+    """What a command checks before any model loads: every task has local data (``ValueError``; no
+    extracted tasks: ``FileNotFoundError``) and lm-eval is installed (``ImportError``), each naming its fix.
+    Returns the task names."""
+    names = task_names(tasks)
+    load_local_tasks(task_dir).check(names)
+    require_lm_eval()
+    return names
+
+
+def task_scores(results: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """lm-eval's figures of each task and group of ``evaluate_tasks``'s output, flat: ``{"piqa": {"acc":
+    ..., "acc_stderr": ..., "acc_norm": ...}, "mmlu": {...}}`` (lm-eval's ``,none`` filter suffix dropped)."""
+    found = {**results.get("groups", {}), **results.get("results", {})}
+    return {task: {k.split(",")[0]: v for k, v in got.items() if k.endswith(",none") and isinstance(v, float)}
+            for task, got in found.items()}  # fmt: skip
+
+
 def check_vocabulary(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> None:
     """``ValueError`` where the model's embedding has fewer rows than the tokenizer has tokens (a token id
     past the last row would fail inside the forward, or read another row on some devices)."""
